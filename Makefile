@@ -1,0 +1,26 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install, run the built-in three-step demo on the tiny default
+#   make test   - create .venv, install, run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) train.py --demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --timeout 1800 tests
+
+clean:
+	rm -rf $(VENV) output .pytest_cache

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Step 1: supervised fine-tuning of a causal LM on prompt + chosen answer.
+
+    deepspeed main.py --model_name_or_path facebook/opt-1.3b --data_path Dahoas/rm-static ...
+    python main.py --model_name_or_path tiny-opt --data_path builtin/preference --output_dir out/actor
+
+parse → distributed/DeepSpeed config → tokenizer/model (+LoRA) → data → optimizer/
+scheduler → ``deepspeed.initialize`` → perplexity before training → train, with
+perplexity after every epoch → save an HF folder.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import torch  # noqa: E402
+
+from utils.arguments import (add_data_args, add_deepspeed_args, add_logging_args, add_lora_args,  # noqa: E402
+                             add_model_args, add_training_args, validate_common)
+from utils.utils import run_main  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Step 1: supervised fine-tuning (SFT) of a causal language model.")
+    add_data_args(parser)
+    add_model_args(parser)
+    add_training_args(parser)
+    add_lora_args(parser)
+    add_deepspeed_args(parser)
+    add_logging_args(parser, tensorboard_path="step1_tensorboard")
+    return parser.parse_args(argv)
+
+
+def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
+    """(perplexity, loss) over the eval set, averaged across ranks."""
+    from utils.rl_math import causal_lm_loss
+    from utils.utils import get_all_reduce_mean, to_device
+
+    model.eval()
+    total, batches = torch.zeros((), device=device), 0
+    with torch.no_grad():
+        for batch in dataloader:
+            batch = to_device(batch, device)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            total += causal_lm_loss(logits, batch["labels"], fp32_loss).float()
+            batches += 1
+    loss = get_all_reduce_mean(total / max(batches, 1)).item()
+    model.train()
+    return math.exp(min(loss, 50.0)), loss
+
+
+def main(args):
+    import deepspeed
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset
+    from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
+    from utils.logger import TrainLogger
+    from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+    from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
+                                   only_optimize_lora_parameters)
+    from utils.perf import throughput_line
+    from utils.rl_math import causal_lm_loss
+    from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
+
+    # ---- set-up: distributed, precision, DeepSpeed config
+    validate_common(args)
+    device = init_distributed(args)
+    resolve_dtype(args)
+    set_random_seed(args.seed)
+    log = TrainLogger("step1_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
+                                    tb_path=args.tensorboard_path, tb_name="step1_model")
+    set_batch_sizes(ds_config, args.per_device_train_batch_size, get_world_size(), args.gradient_accumulation_steps)
+    barrier()
+
+    # ---- tokenizer and model
+    eot = args.eot_token if args.add_eot_token else None
+    tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
+                                  trust_remote_code=args.trust_remote_code)
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
+                            dropout=args.dropout, trust_remote_code=args.trust_remote_code)
+    if args.lora_dim > 0:
+        convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
+        if args.only_optimize_lora:
+            only_optimize_lora_parameters(model)
+            make_model_gradient_checkpointing_compatible(model)
+
+    # ---- data
+    train_dataset, eval_dataset = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
+        log=log.info)
+    distributed = get_world_size() > 1
+    collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len)
+    train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
+                              sampler=DistributedSampler(train_dataset, seed=args.seed) if distributed
+                              else RandomSampler(train_dataset, generator=torch.Generator().manual_seed(args.seed)))
+    eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
+                             sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
+                             else SequentialSampler(eval_dataset))
+
+    # ---- optimizer, schedule, engine
+    optimizer = create_optimizer(model, args.weight_decay, args.learning_rate, args.lora_learning_rate, args.offload)
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    total_steps = args.num_train_epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
+                                 num_training_steps=total_steps)
+    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
+                                                             config=ds_config, lr_scheduler=lr_scheduler,
+                                                             dist_init_required=True)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+
+    # ---- train
+    log.info(f"***** Running training: {len(train_dataset)} samples, {total_steps} optimizer steps *****")
+    ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
+    log.info(f"ppl before training: {ppl:.4f}, loss: {eval_loss:.4f}")
+    log.scalars(0, "eval", perplexity=ppl, loss=eval_loss)
+    first_ppl, step = ppl, 0
+    for epoch in range(args.num_train_epochs):
+        if distributed:
+            train_loader.sampler.set_epoch(epoch)
+        log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
+        model.train()
+        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step1 epoch {epoch + 1}")):
+            start = time.time()
+            batch = to_device(batch, device)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            loss = causal_lm_loss(logits, batch["labels"], args.compute_fp32_loss)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"step 1: non-finite loss ({loss.item()}) at optimizer step {step}")
+            model.backward(loss)
+            model.step()
+            if not model.is_gradient_accumulation_boundary():
+                continue
+            step += 1
+            if args.print_loss:
+                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss.item():.4f}")
+            log.scalars(step, "train", loss=loss.item(), lr=lr_scheduler.get_last_lr()[0])
+            if step % 10 == 0 or step == total_steps:
+                log.info(throughput_line(model.module, model.module.config, time.time() - start,
+                                         args.per_device_train_batch_size, batch["input_ids"].shape[1],
+                                         get_world_size(), args.gradient_checkpointing))
+            if args.max_steps and step >= args.max_steps:
+                break
+        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
+        log.info(f"ppl after epoch {epoch + 1}: {ppl:.4f}, loss: {eval_loss:.4f}")
+        log.scalars(step, "eval", perplexity=ppl, loss=eval_loss)
+        if args.max_steps and step >= args.max_steps:
+            break
+    log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
+
+    # ---- save
+    if args.output_dir is not None:
+        log.info(f"saving the final model to {args.output_dir}")
+        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage)
+    log.close()
+    return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": step}
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

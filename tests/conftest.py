@@ -1,0 +1,40 @@
+"""Shared test fixtures: one built-in-model cache for the session, helpers to run entry points."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# Built-in tiny models are built once per machine and reused by every test and subprocess.
+os.environ.setdefault("DSCHAT_HOME", str(REPO / ".cache" / "dschat"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def shared_data(*parts) -> Path:
+    """A file under ../shared/data, or skip the test when ../shared is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not present (../shared is beside the repo in CI)")
+    return path
+
+
+def run_entry(script, *args, env=None, timeout=900, cwd=None):
+    """Run ``python <script> args...`` from the repo root; returns the CompletedProcess (never raises)."""
+    full_env = dict(os.environ)
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    full_env.pop("LOCAL_RANK", None)
+    full_env.update(env or {})
+    cmd = [sys.executable, str(REPO / script), *[str(a) for a in args]]
+    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def entry():
+    return run_entry

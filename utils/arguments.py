@@ -1,0 +1,112 @@
+"""Command-line argument groups shared by the steps, declared once.
+
+Each ``add_*_args(parser)`` adds one group with DeepSpeed-Chat's flag names and
+defaults; a step overrides a default with ``parser.set_defaults(...)`` (step 2's
+learning rate is 5e-5, say) instead of re-declaring the flag.
+"""
+from __future__ import annotations
+
+import argparse
+
+SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+DTYPES = ["fp16", "bf16", "fp32"]
+
+
+def add_data_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", nargs="*", default=["Dahoas/rm-static"],
+                   help="Datasets: hub names (Dahoas/rm-static …), local/jsonfile, a local .json/.jsonl/.parquet "
+                        "file or save_to_disk folder, or builtin/preference (offline demo data). Several are blended.")
+    g.add_argument("--data_split", type=str, default="2,4,4",
+                   help="Shares of each dataset for phases 1,2,3, e.g. 2,4,4 (step 1 uses the first share).")
+    g.add_argument("--sft_only_data_path", nargs="*", default=[],
+                   help="Datasets used whole for phase 1 (SFT) only.")
+    g.add_argument("--data_output_path", type=str, default="/tmp/data_files/",
+                   help="Where split indices and tokenised data are cached (a local, not shared, folder).")
+    g.add_argument("--max_seq_len", type=int, default=512, help="Maximum sequence length (tokens).")
+    g.add_argument("--add_eot_token", action="store_true",
+                   help="Add --eot_token to the tokenizer as a special token.")
+    g.add_argument("--eot_token", type=str, default="<|endoftext|>",
+                   help="End-of-text token appended to every training text.")
+    return g
+
+
+def add_model_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--model_name_or_path", type=str, default="tiny-opt",
+                   help="Hub name (facebook/opt-1.3b), local HF folder, or built-in tiny-opt / tiny-llama / small-opt.")
+    g.add_argument("--dropout", type=float, default=None, help="Override the model's dropout fields.")
+    g.add_argument("--gradient_checkpointing", action="store_true", help="Enable activation checkpointing.")
+    g.add_argument("--trust_remote_code", action="store_true",
+                   help="Allow model folders to run their own Python code (off by default).")
+    return g
+
+
+def add_training_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--per_device_train_batch_size", type=int, default=16, help="Micro batch size per device (train).")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=16, help="Batch size per device (eval).")
+    g.add_argument("--learning_rate", type=float, default=1e-3, help="Initial learning rate (after warm-up).")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay.")
+    g.add_argument("--num_train_epochs", type=int, default=1, help="Training epochs.")
+    g.add_argument("--max_steps", type=int, default=0,
+                   help="Stop after this many optimizer steps (0 = no limit; for smoke tests and demos).")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                   help="Micro batches per optimizer step.")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
+                   help="Learning-rate schedule.")
+    g.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
+    g.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    g.add_argument("--compute_fp32_loss", action="store_true",
+                   help="Compute the loss in fp32 (relevant with bf16/fp16).")
+    return g
+
+
+def add_deepspeed_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("deepspeed")
+    g.add_argument("--local_rank", type=int, default=-1, help="Set by the launcher.")
+    g.add_argument("--offload", action="store_true", help="ZeRO-Offload parameters/optimizer to CPU.")
+    g.add_argument("--dtype", type=str, default=None, choices=DTYPES,
+                   help="Training precision (default fp16 on a GPU, fp32 on CPU; fp16 needs a GPU).")
+    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO optimisation stage.")
+    import deepspeed
+
+    deepspeed.add_config_arguments(parser)
+    return g
+
+
+def add_lora_args(parser: argparse.ArgumentParser):
+    g = parser.add_argument_group("lora")
+    g.add_argument("--lora_dim", type=int, default=0, help="LoRA rank; > 0 enables LoRA.")
+    g.add_argument("--lora_module_name", type=str, default="decoder.layers.",
+                   help="LoRA wraps nn.Linear layers whose name contains this.")
+    g.add_argument("--only_optimize_lora", action="store_true", help="Train only the LoRA factors.")
+    g.add_argument("--lora_learning_rate", type=float, default=5e-4, help="Learning rate of the LoRA factors.")
+    return g
+
+
+def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str):
+    g = parser.add_argument_group("logging")
+    g.add_argument("--enable_tensorboard", action="store_true", help="Write tensorboard scalars.")
+    g.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Tensorboard folder.")
+    g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
+    return g
+
+
+def validate_common(args) -> None:
+    """Checks every step shares: a clear error instead of a crash deep inside DeepSpeed."""
+    from utils.data.split import parse_data_split
+    from utils.errors import UserInputError
+
+    if getattr(args, "data_split", None) is not None:
+        parse_data_split(args.data_split)
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_seq_len", "num_train_epochs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UserInputError(f"--{name} must be ≥ 1, got {value}")
+    if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 1) <= 0:
+        raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
+    if getattr(args, "output_dir", "x") is None:
+        raise UserInputError("--output_dir is required")

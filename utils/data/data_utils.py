@@ -1,0 +1,276 @@
+"""Split, tokenise and cache prompt datasets for the three training phases.
+
+``create_prompt_dataset(...)`` returns ``(train, eval)`` torch datasets of
+UNPADDED token ids; the phase's collator pads each batch:
+
+=======  ===================================  =====================================================
+phase    one sample                           collated batch
+=======  ===================================  =====================================================
+1 (SFT)  prompt+chosen+eot                    input_ids/attention_mask/labels [B, L], right-padded,
+                                              labels = ids with padding → -100
+2 (RM)   (prompt+chosen+eot, prompt+rej+eot)  input_ids/attention_mask [2B, L] = [chosen…; rejected…]
+3 (PPO)  prompt                               prompt/prompt_att_mask [B, max_prompt_len], LEFT-padded
+=======  ===================================  =====================================================
+
+Phases 1 and 2 pad to the longest sequence of the batch (rounded up to a
+multiple of 8) instead of to ``max_seq_len``: the losses are the same, the
+compute is not. Phase 3 pads to exactly ``max_prompt_seq_len`` like the reference.
+
+Tokenised data are cached under ``--data_output_path`` keyed by a sha256 of
+everything that changes the result: the datasets' content fingerprints (local
+files: path, size, mtime), split, phase, seed, the tokenizer's vocabulary and
+special tokens, ``max_seq_len``, the end-of-text token and the sft-only sets.
+Local rank 0 builds the cache (written atomically); other ranks wait at a
+barrier and then read it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import List, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from utils.data.raw_datasets import get_raw_dataset
+from utils.data.split import get_split_index
+from utils.errors import UserInputError
+
+CACHE_VERSION = 1
+
+
+class PromptDataset(Dataset):
+    """Tokenised samples of one phase (see module docstring for the sample layout)."""
+
+    def __init__(self, samples: list, train_phase: int, stats: dict | None = None):
+        self.samples = samples
+        self.train_phase = train_phase
+        self.stats = stats or {}
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, idx):
+        return self.samples[idx]
+
+
+def _ids(tokenizer, text: str, max_len: int | None) -> torch.Tensor:
+    kw = dict(truncation=True, max_length=max_len) if max_len else {}
+    return torch.tensor(tokenizer(text, **kw)["input_ids"], dtype=torch.int32)
+
+
+def _blank(text) -> bool:
+    return text is None or not str(text).strip()
+
+
+def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conversation_token: str,
+                   max_seq_len: int) -> PromptDataset:
+    """Tokenise ``rows`` of ``raw_dataset`` for one phase, skipping (and counting) unusable rows."""
+    samples, skipped = [], {}
+
+    def skip(reason):
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    eot = end_of_conversation_token or ""
+    for row in rows:
+        if train_phase == 1:
+            text = raw_dataset.get_prompt_and_chosen(row)
+            if _blank(text) or _blank(raw_dataset.get_chosen(row)):
+                skip("empty chosen answer")
+                continue
+            samples.append(_ids(tokenizer, text + eot, max_seq_len))
+        elif train_phase == 2:
+            chosen, rejected = raw_dataset.get_prompt_and_chosen(row), raw_dataset.get_prompt_and_rejected(row)
+            if chosen is None or rejected is None:
+                skip("no rejected answer")
+                continue
+            if _blank(raw_dataset.get_chosen(row)) or _blank(raw_dataset.get_rejected(row)):
+                skip("empty chosen or rejected answer")
+                continue
+            c, r = _ids(tokenizer, chosen + eot, max_seq_len), _ids(tokenizer, rejected + eot, max_seq_len)
+            if torch.equal(c, r):
+                skip("chosen and rejected tokenise identically")
+                continue
+            samples.append((c, r))
+        else:
+            prompt = raw_dataset.get_prompt(row)
+            if _blank(prompt):
+                skip("empty prompt")
+                continue
+            ids = _ids(tokenizer, prompt, None)
+            if ids.numel() > max_seq_len:
+                skip(f"prompt longer than {max_seq_len} tokens")
+                continue
+            samples.append(ids)
+    return PromptDataset(samples, train_phase, stats={"kept": len(samples), "skipped": skipped})
+
+
+def _phase_rows(raw_dataset, split_name: str, data, output_path, seed, data_split, train_phase):
+    """The rows of ``data`` that belong to ``train_phase`` under the seeded split."""
+    index = get_split_index(output_path, raw_dataset.dataset_name_clean, seed, split_name, data_split,
+                            train_phase - 1, len(data)).tolist()
+    return data.select(index) if hasattr(data, "select") else [data[i] for i in index]
+
+
+def create_dataset(local_rank, dataset_name, data_split, output_path, train_phase, seed, tokenizer,
+                   end_of_conversation_token, max_seq_len):
+    """One dataset's (train, eval) phase datasets."""
+    raw = get_raw_dataset(dataset_name, output_path, seed, local_rank)
+    out = []
+    for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
+        rows = _phase_rows(raw, split_name, data, output_path, seed, data_split, train_phase)
+        out.append(tokenize_phase(raw, rows, train_phase, tokenizer, end_of_conversation_token,
+                                  max_seq_len))
+    return out[0], out[1], raw
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side,
+                          getattr(tokenizer, "add_bos_token", None)])
+    return hashlib.sha256((vocab + special + type(tokenizer).__name__).encode()).hexdigest()
+
+
+def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
+              sft_only_data_path, fingerprints) -> str:
+    """sha256 over everything that changes the tokenised result (see module docstring)."""
+    parts = dict(version=CACHE_VERSION, data_path=list(data_path), fingerprints=fingerprints,
+                 data_split=data_split, phase=train_phase, seed=seed, tokenizer=_tokenizer_fingerprint(tokenizer),
+                 max_seq_len=max_seq_len, eot=end_of_conversation_token, sft_only=list(sft_only_data_path))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _save(obj, path):
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _concat_shuffled(datasets: Sequence[PromptDataset], seed: int, train_phase: int) -> PromptDataset:
+    samples = [s for d in datasets for s in d.samples]
+    order = np.arange(len(samples))
+    np.random.RandomState(seed=seed).shuffle(order)
+    stats = {"kept": len(samples), "skipped": {}}
+    for d in datasets:
+        for reason, n in d.stats.get("skipped", {}).items():
+            stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
+    return PromptDataset([samples[i] for i in order], train_phase, stats)
+
+
+def _fingerprints(names, output_path, seed, local_rank) -> List[str]:
+    return [get_raw_dataset(n, output_path, seed, local_rank).fingerprint() for n in names]
+
+
+def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
+                          max_seq_len, end_of_conversation_token="<|endoftext|>", sft_only_data_path=(),
+                          reload=False, log=print):
+    """(train, eval) :class:`PromptDataset` for ``train_phase``, built once and cached.
+
+    ``--sft_only_data_path`` datasets go whole (split 10,0,0) into phase 1 only.
+    Raises :class:`UserInputError` when nothing usable is left.
+    """
+    if train_phase not in (1, 2, 3):
+        raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase}")
+    data_path = list(data_path)
+    sft_only = list(sft_only_data_path or [])
+    if not data_path:
+        raise UserInputError("--data_path: give at least one dataset")
+    os.makedirs(output_path, exist_ok=True)
+    fingerprints = _fingerprints(data_path + sft_only, output_path, seed, local_rank)
+    key = cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
+                    sft_only, fingerprints)
+    train_file = os.path.join(output_path, f"traindata_phase{train_phase}_{key}.pt")
+    eval_file = os.path.join(output_path, f"evaldata_phase{train_phase}_{key}.pt")
+    cached = os.path.isfile(train_file) and os.path.isfile(eval_file)
+
+    if local_rank <= 0 and (reload or not cached):
+        trains, evals = [], []
+        for name in data_path:
+            train, eval_, _ = create_dataset(local_rank, name, data_split, output_path, train_phase, seed, tokenizer,
+                                             end_of_conversation_token, max_seq_len)
+            trains.append(train)
+            evals.append(eval_)
+        if train_phase == 1:
+            for name in sft_only:
+                train, eval_, _ = create_dataset(local_rank, name, "10,0,0", output_path, 1, seed, tokenizer,
+                                                 end_of_conversation_token, max_seq_len)
+                trains.append(train)
+                evals.append(eval_)
+        train_dataset = _concat_shuffled(trains, seed, train_phase)
+        eval_dataset = _concat_shuffled(evals, seed, train_phase)
+        _save({"samples": train_dataset.samples, "stats": train_dataset.stats}, train_file)
+        _save({"samples": eval_dataset.samples, "stats": eval_dataset.stats}, eval_file)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+    datasets = []
+    for path in (train_file, eval_file):
+        blob = torch.load(path, weights_only=True)
+        datasets.append(PromptDataset(blob["samples"], train_phase, blob["stats"]))
+    train_dataset, eval_dataset = datasets
+    for split, d in (("train", train_dataset), ("eval", eval_dataset)):
+        if d.stats.get("skipped"):
+            detail = ", ".join(f"{n} × {reason}" for reason, n in sorted(d.stats["skipped"].items()))
+            log(f"data: phase {train_phase} {split}: kept {d.stats['kept']} rows, skipped {detail}")
+    if len(train_dataset) == 0:
+        raise UserInputError(f"--data_path {' '.join(data_path)}: no usable rows for phase {train_phase} "
+                             f"(skipped: {train_dataset.stats.get('skipped') or 'none'})")
+    return train_dataset, eval_dataset
+
+
+# --------------------------------------------------------------------------- collators
+
+def _round_up(n: int, multiple: int = 8) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def _right_pad(seqs, length: int, pad_id: int):
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+class DataCollatorSFT:
+    """Phase 1: right-pad to the batch's longest (multiple of 8, ≤ max_seq_len); labels ignore padding."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int):
+        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+
+    def __call__(self, samples):
+        length = min(_round_up(max(len(s) for s in samples)), self.max_seq_len)
+        ids, mask = _right_pad(samples, length, self.pad_token_id)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class DataCollatorReward:
+    """Phase 2: ``input_ids``/``attention_mask`` [2B, L] = chosen rows then rejected rows."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int):
+        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+
+    def __call__(self, samples):
+        seqs = [c for c, _ in samples] + [r for _, r in samples]
+        length = min(_round_up(max(len(s) for s in seqs)), self.max_seq_len)
+        ids, mask = _right_pad(seqs, length, self.pad_token_id)
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+class DataCollatorRLHF:
+    """Phase 3: prompts LEFT-padded to exactly ``max_token_len``: ``prompt``/``prompt_att_mask`` [B, P]."""
+
+    def __init__(self, max_token_len: int, pad_token_id: int):
+        self.max_token_len, self.pad_token_id = max_token_len, pad_token_id
+
+    def __call__(self, samples):
+        ids = torch.full((len(samples), self.max_token_len), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(samples):
+            s = s[-self.max_token_len:]
+            ids[i, self.max_token_len - len(s):] = s
+            mask[i, self.max_token_len - len(s):] = 1
+        return {"prompt": ids, "prompt_att_mask": mask}

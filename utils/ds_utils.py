@@ -1,0 +1,135 @@
+"""DeepSpeed configuration and optimiser construction (the reference's fields).
+
+``get_train_ds_config`` / ``get_eval_ds_config`` return plain dicts for
+``deepspeed.initialize``; ``train_batch_size`` is always
+micro batch × world size × gradient accumulation.
+"""
+from __future__ import annotations
+
+GLOBAL_BATCH_SIZE = 32  # placeholders, overwritten by the caller like the reference
+MICRO_BATCH_SIZE = 4
+
+
+def _precision(dtype: str) -> dict:
+    if dtype == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale_window": 100}}
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+def get_train_ds_config(offload: bool, dtype: str, stage: int = 2, enable_hybrid_engine: bool = False,
+                        inference_tp_size: int = 1, release_inference_cache: bool = False,
+                        pin_parameters: bool = True, tp_gather_partition_size: int = 8,
+                        max_out_tokens: int = 512, enable_tensorboard: bool = False,
+                        enable_mixed_precision_lora: bool = False, tb_path: str = "", tb_name: str = "") -> dict:
+    device = "cpu" if offload else "none"
+    zero_opt_dict = {
+        "stage": stage,
+        "overlap_comm": True,
+        "offload_param": {"device": device},
+        "offload_optimizer": {"device": device},
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 3e7,
+        "stage3_prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+    }
+    if enable_mixed_precision_lora:
+        zero_opt_dict["zero_quantized_nontrainable_weights"] = True
+        zero_opt_dict["zero_hpz_partition_size"] = 1
+    config = {
+        "train_batch_size": GLOBAL_BATCH_SIZE,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "steps_per_print": 10,
+        "zero_optimization": zero_opt_dict,
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "hybrid_engine": {
+            "enabled": enable_hybrid_engine,
+            "max_out_tokens": max_out_tokens,
+            "inference_tp_size": inference_tp_size,
+            "release_inference_cache": release_inference_cache,
+            "pin_parameters": pin_parameters,
+            "tp_gather_partition_size": tp_gather_partition_size,
+        },
+        "tensorboard": {
+            "enabled": enable_tensorboard,
+            "output_path": f"{tb_path}/ds_tensorboard_logs/",
+            "job_name": f"{tb_name}_tensorboard",
+        },
+    }
+    config.update(_precision(dtype))
+    return config
+
+
+def get_eval_ds_config(offload: bool, dtype: str, stage: int = 0) -> dict:
+    device = "cpu" if offload else "none"
+    config = {
+        "train_batch_size": GLOBAL_BATCH_SIZE,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "steps_per_print": 10,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 1e4,
+            "offload_param": {"device": device},
+            "memory_efficient_linear": False,
+        },
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+    }
+    config.update(_precision(dtype))
+    return config
+
+
+def set_batch_sizes(ds_config: dict, micro_batch: int, world_size: int, grad_accum: int) -> dict:
+    """Global batch = micro × world × grad-accum (what DeepSpeed checks)."""
+    ds_config["train_micro_batch_size_per_gpu"] = micro_batch
+    ds_config["train_batch_size"] = micro_batch * world_size * grad_accum
+    ds_config["gradient_accumulation_steps"] = grad_accum
+    return ds_config
+
+
+NO_DECAY_NAMES = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
+LORA_NAMES = ("lora_right_weight", "lora_left_weight")
+
+
+def get_optimizer_grouped_parameters(model, weight_decay: float, lora_lr: float = 5e-4,
+                                     no_decay_name_list=NO_DECAY_NAMES, lora_name_list=LORA_NAMES):
+    """Three groups: decayed weights, LoRA factors (own lr), no-decay (biases, norms). Empty groups dropped."""
+    decay, lora, no_decay = [], [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if any(nd in name.lower() for nd in no_decay_name_list):
+            no_decay.append(param)
+        elif any(ln in name for ln in lora_name_list):
+            lora.append(param)
+        else:
+            decay.append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": lora, "weight_decay": weight_decay, "lr": lora_lr},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def create_optimizer(model, weight_decay: float, learning_rate: float, lora_learning_rate: float,
+                     offload: bool, betas=(0.9, 0.95)):
+    """DeepSpeedCPUAdam with ``--offload``; FusedAdam on a GPU; torch AdamW on CPU otherwise."""
+    from deepspeed.accelerator import get_accelerator
+
+    groups = get_optimizer_grouped_parameters(model, weight_decay, lora_learning_rate)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas)
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=learning_rate, betas=betas)
+    import torch
+
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)

@@ -1,0 +1,71 @@
+"""Logging in one place: rank-0 printing, tqdm bars, tensorboard scalars, a metrics file.
+
+Every entry point makes one :class:`TrainLogger`; loops call ``log.info``,
+``log.progress`` and ``log.scalars`` and never ``print``. Only global rank 0
+writes anything. Scalars go to tensorboard (``--enable_tensorboard``) and, when
+an output folder is given, to ``<output_dir>/metrics.jsonl`` (one JSON object a
+line), which ``train.py`` reads for its summary table and curves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from utils.utils import is_rank_0
+
+
+class TrainLogger:
+    def __init__(self, name: str, enable_tensorboard: bool = False, tensorboard_path: str = "",
+                 metrics_dir: str | None = None):
+        self.name = name
+        self.rank0 = is_rank_0()
+        self.writer = None
+        self.metrics_file = None
+        if not self.rank0:
+            return
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(tensorboard_path, "ds_tensorboard_logs", name))
+        if metrics_dir:
+            os.makedirs(metrics_dir, exist_ok=True)
+            self.metrics_file = open(os.path.join(metrics_dir, "metrics.jsonl"), "a", buffering=1)
+
+    def info(self, msg: str) -> None:
+        if self.rank0:
+            print(msg, flush=True)
+
+    def warning(self, msg: str) -> None:
+        if self.rank0:
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+    def progress(self, iterable, desc: str, total: int | None = None):
+        """A tqdm bar on rank 0 (sparse updates when not on a terminal), the bare iterable elsewhere."""
+        from tqdm.auto import tqdm
+
+        tty = sys.stderr.isatty()
+        return tqdm(iterable, desc=desc, total=total, disable=not self.rank0, dynamic_ncols=True,
+                    mininterval=0.5 if tty else 10.0, leave=tty)
+
+    def scalars(self, step: int, prefix: str = "", **values) -> None:
+        """Log ``values`` (floats or 0-d tensors) at ``step`` under ``prefix/``."""
+        if not self.rank0:
+            return
+        clean = {k: float(v) for k, v in values.items() if v is not None}
+        if self.writer is not None:
+            for key, value in clean.items():
+                self.writer.add_scalar(f"{prefix}/{key}" if prefix else key, value, step)
+            self.writer.flush()
+        if self.metrics_file is not None:
+            row = {"step": step, "phase": prefix, "time": round(time.time(), 3)}
+            row.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
+            self.metrics_file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()

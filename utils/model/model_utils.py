@@ -1,0 +1,172 @@
+"""Tokenizer and model loading, and saving in Hugging Face format.
+
+* :func:`load_hf_tokenizer` resolves built-in names (``tiny-opt`` …), reads a
+  local folder with ``local_files_only=True`` (no hub round trip, reference issue
+  #460) and applies DeepSpeed-Chat's padding rule: right padding; Llama-family
+  models without a pad token get ``[PAD]``; other models use pad = eos.
+* :func:`create_hf_model` applies the dropout override, resizes embeddings to a
+  multiple of 8, sets pad/end ids, and under ZeRO-3 builds the model inside a live
+  ``HfDeepSpeedConfig`` so parameters are partitioned while loading.
+* :func:`save_hf_format` writes a folder plain ``from_pretrained`` loads: LoRA
+  fused, ZeRO-3 parameters gathered, safetensors, written atomically.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from utils.errors import UserInputError
+from utils.model.tiny import resolve_model_path
+from utils.module.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
+from utils.utils import atomic_directory, is_rank_0
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen", "gemma")
+
+
+def resolve_model_name_or_path(name_or_path: str) -> str:
+    """Built-in names -> their folder; a path-looking name that does not exist -> clear error."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UserInputError(f"model folder {path} has no config.json: not a Hugging Face model folder")
+        return path
+    looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1] \
+        or path.count("/") != 1
+    if looks_local:
+        raise UserInputError(f"model {name_or_path!r}: no such folder (and not a hub name like "
+                             "'facebook/opt-1.3b' or a built-in name like 'tiny-opt')")
+    return path
+
+
+def _model_type(path: str) -> str:
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            return json.load(f).get("model_type", "")
+    return ""
+
+
+def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_special_tokens=None,
+                      trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_name_or_path(model_name_or_path)
+    local = os.path.isdir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer, local_files_only=local,
+                                                  trust_remote_code=trust_remote_code)
+    except OSError as e:
+        where = "the folder" if local else "the Hugging Face hub (is it reachable? use a local folder offline)"
+        raise UserInputError(f"cannot load a tokenizer for {model_name_or_path!r} from {where}: {e}") from None
+    kind = (_model_type(path) or path).lower()
+    if any(name in kind for name in LLAMA_FAMILY):
+        if tokenizer.pad_token is None:
+            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    else:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    if add_special_tokens:
+        tokens = [add_special_tokens] if isinstance(add_special_tokens, str) else list(add_special_tokens)
+        tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    return tokenizer
+
+
+def configure_dropout(config, dropout):
+    if dropout is not None:
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout",
+                    "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    return config
+
+
+def create_hf_model(model_class, model_name_or_path: str, tokenizer, ds_config: dict | None = None,
+                    rlhf_training: bool = False, dropout=None, trust_remote_code: bool = False):
+    """Build ``model_class`` (e.g. ``AutoModelForCausalLM``) for ``model_name_or_path``.
+
+    ``rlhf_training=True`` builds from the config only (weights are loaded later
+    from a step-2 checkpoint). Under ZeRO-3 (``ds_config`` stage 3) construction
+    happens inside a live ``HfDeepSpeedConfig``.
+    """
+    from transformers import AutoConfig
+    from transformers.integrations import HfDeepSpeedConfig
+
+    path = resolve_model_name_or_path(model_name_or_path)
+    local = os.path.isdir(path)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=local, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"cannot load a model config for {model_name_or_path!r}: {e}") from None
+    configure_dropout(config, dropout)
+    dschf = None  # must stay alive while the model is built
+    if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
+        dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841
+    if rlhf_training:
+        model = model_class.from_config(config, trust_remote_code=trust_remote_code)
+    else:
+        model = model_class.from_pretrained(path, config=config, dtype=torch.float32, local_files_only=local,
+                                            trust_remote_code=trust_remote_code)
+    model.config.end_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8.0)))
+    del dschf
+    return model
+
+
+def check_tokenizer_fits_model(tokenizer, model) -> None:
+    """Every token id must have an embedding row (a tokenizer/model vocabulary mismatch is an error)."""
+    rows = model.get_input_embeddings().weight
+    rows = rows.ds_shape[0] if hasattr(rows, "ds_shape") else rows.shape[0]
+    if len(tokenizer) > rows:
+        raise UserInputError(f"the tokenizer has {len(tokenizer)} tokens but the model only {rows} embedding rows")
+
+
+def _unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def gather_full_state_dict(model, zero_stage: int = 0) -> dict:
+    """A CPU state dict with full tensors (ZeRO-3 partitions gathered); LoRA factors left out.
+
+    Call on every rank (ZeRO-3 gathering is collective); non-zero ranks get ``{}``.
+    """
+    model = _unwrap(model)
+    state = {}
+    if zero_stage == 3:
+        import deepspeed
+
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            params = [tensor] if hasattr(tensor, "ds_id") else []
+            with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
+                if is_rank_0():
+                    state[name] = tensor.detach().cpu().clone()
+    elif is_rank_0():
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v for k, v in state.items() if "lora" not in k}
+
+
+def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra_files: dict | None = None) -> None:
+    """Save ``model`` (LoRA fused, ZeRO-3 gathered) + ``tokenizer`` as an HF folder, atomically.
+
+    Collective under ZeRO-3: call on every rank; only rank 0 writes.
+    ``extra_files`` maps file names to text written beside the model.
+    """
+    model = _unwrap(model)
+    has_lora = any(isinstance(m, LinearLayer_LoRA) for m in model.modules())
+    if has_lora:
+        convert_lora_to_linear_layer(model, zero_stage == 3)
+    state = gather_full_state_dict(model, zero_stage)
+    if has_lora:
+        unfuse_lora_weight(model, zero_stage == 3)
+    if is_rank_0():
+        with atomic_directory(output_dir) as tmp:
+            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -1,0 +1,135 @@
+"""Built-in tiny models: a project-trained tokenizer + random-initialised configs.
+
+Nothing is downloaded. ``--model_name_or_path tiny-opt`` (or ``tiny-llama``,
+``small-opt``) resolves to a normal Hugging Face folder that is built once, on
+first use, under ``$DSCHAT_HOME`` (default ``~/.cache/dschat``) and reused:
+
+==============  =====================================  ==========
+name            architecture                           parameters
+==============  =====================================  ==========
+``tiny-opt``    OPT, 4 layers, hidden 128, pad = eos    ~0.9 M
+``tiny-llama``  Llama, 4 layers, hidden 128, own pad    ~0.9 M
+``small-opt``   OPT, 10 layers, hidden 640 (benchmarks) ~50 M
+==============  =====================================  ==========
+
+The tokenizer is a byte-level BPE (1000 tokens) trained with ``tokenizers`` on
+the built-in dataset's text (:mod:`utils.data.builtin`), so any text encodes.
+``tiny-opt`` mimics OPT: BOS = EOS = ``<|endoftext|>`` prepended to every text, no pad
+token (the loader sets pad = eos, as DeepSpeed-Chat does), so
+``--num_padding_at_beginning 1``. ``tiny-llama`` mimics Llama: BOS ``<s>``, its
+own ``<pad>``, ``--num_padding_at_beginning 0``.
+
+``python -m utils.model.tiny OUT_DIR --name tiny-opt`` writes a copy to a folder.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+
+VERSION = 1  # bump when a config or the tokenizer recipe changes
+VOCAB_SIZE = 1000
+
+CONFIGS = {
+    "tiny-opt": dict(arch="opt", hidden=128, layers=4, heads=4, ffn=512),
+    "tiny-llama": dict(arch="llama", hidden=128, layers=4, heads=4, ffn=344),
+    "small-opt": dict(arch="opt", hidden=640, layers=10, heads=10, ffn=2560),
+}
+TINY_MODELS = tuple(CONFIGS)
+MAX_POSITIONS = 512
+# EOS is spelled like DeepSpeed-Chat's default --eot_token, so the default end-of-text
+# token appended to every training text IS the tokenizer's EOS (one special token).
+EOS = "<|endoftext|>"
+PAD = "<pad>"
+
+
+def home() -> str:
+    return os.environ.get("DSCHAT_HOME", os.path.join(os.path.expanduser("~"), ".cache", "dschat"))
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A built-in name -> its (built on demand) folder; anything else unchanged."""
+    if name_or_path not in CONFIGS:
+        return name_or_path
+    target = os.path.join(home(), f"{name_or_path}-v{VERSION}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    from filelock import FileLock
+
+    os.makedirs(home(), exist_ok=True)
+    with FileLock(target + ".lock"):  # several ranks / processes: one builds, the others wait
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            tmp = tempfile.mkdtemp(prefix=f".{name_or_path}-", dir=home())
+            build(name_or_path, tmp)
+            os.replace(tmp, target)
+    return target
+
+
+def build_tokenizer(arch: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from utils.data.builtin import tokenizer_corpus
+
+    special = [PAD, "<s>", EOS, "<unk>"] if arch == "llama" else [EOS, "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    bos = "<s>" if arch == "llama" else EOS
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    kwargs = dict(bos_token=bos, eos_token=EOS, unk_token="<unk>")
+    if arch == "llama":
+        kwargs["pad_token"] = PAD
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_POSITIONS, **kwargs)
+
+
+def build_config(name: str, tokenizer):
+    from transformers import LlamaConfig, OPTConfig
+
+    c = CONFIGS[name]
+    vocab = ((len(tokenizer) + 7) // 8) * 8
+    if c["arch"] == "opt":
+        return OPTConfig(vocab_size=vocab, hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                         num_attention_heads=c["heads"], ffn_dim=c["ffn"], word_embed_proj_dim=c["hidden"],
+                         max_position_embeddings=MAX_POSITIONS, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                         dropout=0.1, attention_dropout=0.0, do_layer_norm_before=True)
+    return LlamaConfig(vocab_size=vocab, hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                       num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
+                       intermediate_size=c["ffn"], max_position_embeddings=MAX_POSITIONS,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+
+
+def build(name: str, out_dir: str) -> str:
+    """Write tokenizer + random-initialised model ``name`` into ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(CONFIGS[name]["arch"])
+    config = build_config(name, tokenizer)
+    torch.manual_seed(VERSION)
+    model = AutoModelForCausalLM.from_config(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Write a built-in tiny model (tokenizer + config + weights) to a folder.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--name", default="tiny-opt", choices=TINY_MODELS)
+    args = parser.parse_args()
+    src = resolve_model_path(args.name)
+    shutil.copytree(src, args.out_dir, dirs_exist_ok=True)
+    print(f"wrote {args.name} to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
