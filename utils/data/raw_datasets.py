@@ -354,7 +354,9 @@ class PromptRawDataset:
     canonical_name = None   # e.g. "Dahoas/rm-static"
     clean_name = None       # the reference's dataset_name_clean
     eval_split = None       # upstream eval split; None -> 9:1 split of train
-    has_rejected = True
+    has_rejected = True     # False: the source never has rejected answers (SFT-only hub sets);
+                            # local data may still lack them per row (get_rejected -> None)
+    required_columns = ()   # checked when the data are read
 
     def __init__(self, output_path, seed, local_rank, dataset_name):
         self._setup(output_path, seed, local_rank, dataset_name)
@@ -419,8 +421,6 @@ class PromptRawDataset:
         if not self._loaded:
             self._set_data(self._read())
         return self
-
-    required_columns = ()
 
     def _prepare(self, data, source):
         """Validate (and possibly convert) one part of a split; returns the rows."""
@@ -1049,7 +1049,8 @@ class LocalPathDataset(PromptRawDataset):
                     raise UserInputError(
                         f"dataset {self.dataset_name!r}: {source} lacks the column {col!r}")
                 continue
-            if not _arrow_is_string(ds.features[col]):
+            feature = ds.features[col]
+            if not (_arrow_is_string(feature) or (not required and getattr(feature, "dtype", None) == "null")):
                 raise UserInputError(
                     f"dataset {self.dataset_name!r}: {source}: column {col!r} must hold strings, "
                     f"found {ds.features[col]}")
