@@ -53,12 +53,22 @@ def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
 
 
 def main(args):
+    # ---- fail fast on bad flags and data, before the heavy imports and any model/DeepSpeed set-up
+    from utils.compat import check_zero_combination
+    from utils.data.data_utils import check_data_sources
+
+    validate_common(args)
+    check_zero_combination(args)
+    if int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))) == 0:
+        check_data_sources(list(args.data_path) + list(args.sft_only_data_path), args.data_output_path, args.seed)
+
     import deepspeed
     from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset
+    from utils.errors import check_finite
     from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
     from utils.logger import TrainLogger
     from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
@@ -69,7 +79,6 @@ def main(args):
     from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: distributed, precision, DeepSpeed config
-    validate_common(args)
     device = init_distributed(args)
     resolve_dtype(args)
     set_random_seed(args.seed)
@@ -91,11 +100,12 @@ def main(args):
             only_optimize_lora_parameters(model)
             make_model_gradient_checkpointing_compatible(model)
 
-    # ---- data
+    # ---- data: prompt + chosen + EOS (as the reference: the SFT model must learn to emit EOS, which is
+    # where generation stops; --eot_token is for the reward model's texts)
     train_dataset, eval_dataset = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
-        args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
-        log=log.info)
+        args.max_seq_len, end_of_conversation_token=tokenizer.eos_token,
+        sft_only_data_path=args.sft_only_data_path, log=log.info)
     distributed = get_world_size() > 1
     collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len)
     train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
@@ -135,13 +145,12 @@ def main(args):
             batch = to_device(batch, device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
             loss = causal_lm_loss(logits, batch["labels"], args.compute_fp32_loss)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step 1: non-finite loss ({loss.item()}) at optimizer step {step}")
+            check_finite(step + 1, loss=loss)
             model.backward(loss)
             model.step()
-            if not model.is_gradient_accumulation_boundary():
+            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
-            step += 1
+            step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss.item():.4f}")
             log.scalars(step, "train", loss=loss.item(), lr=lr_scheduler.get_last_lr()[0])

@@ -110,3 +110,30 @@ def validate_common(args) -> None:
         raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
     if getattr(args, "output_dir", "x") is None:
         raise UserInputError("--output_dir is required")
+
+
+def add_rlhf_role_args(parser: argparse.ArgumentParser, role: str, learning_rate: float):
+    """Step 3's per-model flags, once for each role (``actor`` / ``critic``) instead of copy-pasted.
+
+    Adds ``--{role}_learning_rate`` (default ``learning_rate``), ``--{role}_weight_decay``,
+    ``--{role}_zero_stage``, ``--{role}_dropout``, ``--{role}_gradient_checkpointing``,
+    ``--{role}_lora_dim``, ``--{role}_lora_module_name`` and ``--{role}_lora_learning_rate``
+    with DeepSpeed-Chat's defaults.
+    """
+    g = parser.add_argument_group(role)
+    g.add_argument(f"--{role}_learning_rate", type=float, default=learning_rate,
+                   help=f"Initial {role} learning rate (after warm-up).")
+    g.add_argument(f"--{role}_weight_decay", type=float, default=0.0, help=f"{role} weight decay.")
+    g.add_argument(f"--{role}_zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
+                   help=f"ZeRO stage of the {role} (its frozen copy — "
+                        f"{'reference/EMA' if role == 'actor' else 'reward'} model — uses 3 if this is 3, else 0).")
+    g.add_argument(f"--{role}_dropout", type=float, default=None,
+                   help=f"Override the {role}'s dropout fields (default: keep the model's).")
+    g.add_argument(f"--{role}_gradient_checkpointing", action="store_true",
+                   help=f"Activation checkpointing for the {role}.")
+    g.add_argument(f"--{role}_lora_dim", type=int, default=0, help=f"LoRA rank of the {role}; > 0 enables LoRA.")
+    g.add_argument(f"--{role}_lora_module_name", type=str, default="decoder.layers.",
+                   help=f"LoRA wraps the {role}'s nn.Linear layers whose name contains this.")
+    g.add_argument(f"--{role}_lora_learning_rate", type=float, default=5e-4,
+                   help=f"Learning rate of the {role}'s LoRA factors.")
+    return g

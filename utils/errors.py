@@ -9,3 +9,18 @@ users see one clear line instead of a traceback from deep inside a library.
 
 class UserInputError(ValueError):
     """Bad input the user can fix: message names the dataset / file / flag / field."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss/reward: training stops, nothing new is saved (message names step and quantity)."""
+
+
+def check_finite(step: int, **values) -> None:
+    """Raise :class:`TrainingDiverged` naming the step and the first non-finite quantity (floats or 0-d tensors)."""
+    import math
+
+    for name, value in values.items():
+        value = float(value.detach()) if hasattr(value, "detach") else float(value)
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"non-finite {name} ({value}) at step {step}; stopping without saving "
+                                   "(the last good checkpoint, if any, is kept)")

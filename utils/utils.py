@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from utils.errors import UserInputError
+from utils.errors import TrainingDiverged, UserInputError
 
 
 # --------------------------------------------------------------------------- ranks
@@ -128,12 +128,15 @@ def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run_main(main: Callable, args) -> None:
-    """Run an entry point: a :class:`UserInputError` ends with one clear line and exit code 2."""
+    """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3."""
     try:
         main(args)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 # --------------------------------------------------------------------------- files
@@ -171,6 +174,9 @@ def atomic_directory(out_dir: str):
         raise UserInputError(f"cannot write output folder {out_dir}: {e.strerror}") from None
     try:
         yield tmp
+        for root, _, files in os.walk(tmp):  # some writers create 0600 files; outputs are ordinary files
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
         _fsync_tree(tmp)
         if os.path.isdir(out_dir):
             for name in os.listdir(out_dir):

@@ -163,6 +163,20 @@ def _fingerprints(names, output_path, seed, local_rank) -> List[str]:
     return [get_raw_dataset(n, output_path, seed, local_rank).fingerprint() for n in names]
 
 
+def check_data_sources(names: Sequence[str], output_path: str, seed: int) -> None:
+    """Fail fast, before any model or DeepSpeed set-up, on bad ``--data_path`` entries.
+
+    Every name is resolved (unknown names, missing paths); data that are already on
+    this machine (local files/folders, ``builtin/...``) are also read and validated
+    (malformed JSON, missing fields). Hub sets are only resolved: reading them would
+    mean downloading. Raises :class:`UserInputError` naming the dataset and the problem.
+    """
+    for name in names:
+        raw = get_raw_dataset(name, output_path, seed, -1)
+        if not raw.fingerprint().startswith("hub:"):  # hub adapters not backed by a local path
+            raw.load()
+
+
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token="<|endoftext|>", sft_only_data_path=(),
                           reload=False, log=print):

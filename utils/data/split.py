@@ -2,7 +2,8 @@
 
 For N rows and split ``s1,s2,s3``: p_i = s_i / sum(s); boundaries b_0 = 0,
 b_{i+1} = b_i + round(p_i * N) (Python's round, as the reference); then the
-overshoot (b_3 - N) is subtracted from every b_i with i >= 1. The permutation is
+overshoot (b_3 - N) is subtracted from every b_i with i >= 1 (clamped at 0, where the
+reference can produce b_1 = -1 and overlapping phases). The permutation is
 ``numpy.random.RandomState(seed).shuffle(arange(N))`` and phase i gets
 ``perm[b_i:b_{i+1}]``. Index files are cached as
 ``{out}/{name}_seed{seed}_{split_name}_{data_split}_{i}.npy``.
@@ -44,7 +45,10 @@ def split_boundaries(data_size: int, proportions: Sequence[float]) -> List[int]:
         bounds.append(bounds[i] + int(round(p * float(data_size))))
     diff = bounds[-1] - data_size
     for i in range(1, len(bounds)):
-        bounds[i] -= diff
+        # max(., 0): the reference lets b_1 go to -1 (e.g. split 0,1,1 with N = 7 gives
+        # [0, -1, 3, 7]), so perm[0:-1] and perm[-1:3] overlap or vanish; clamping keeps
+        # the phases disjoint and covering (b_i, i >= 1, are non-decreasing, b_k = N).
+        bounds[i] = max(bounds[i] - diff, 0)
     return bounds
 
 

@@ -33,8 +33,7 @@ def resolve_model_name_or_path(name_or_path: str) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UserInputError(f"model folder {path} has no config.json: not a Hugging Face model folder")
         return path
-    looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1] \
-        or path.count("/") != 1
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # hub ids: "gpt2", "org/name"
     if looks_local:
         raise UserInputError(f"model {name_or_path!r}: no such folder (and not a hub name like "
                              "'facebook/opt-1.3b' or a built-in name like 'tiny-opt')")
@@ -61,6 +60,10 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_
     except OSError as e:
         where = "the folder" if local else "the Hugging Face hub (is it reachable? use a local folder offline)"
         raise UserInputError(f"cannot load a tokenizer for {model_name_or_path!r} from {where}: {e}") from None
+    if not tokenizer("hello world", add_special_tokens=False)["input_ids"]:  # transformers 5 builds an
+        # empty tokenizer (that encodes nothing) for a folder with a config.json but no tokenizer files
+        raise UserInputError(f"model {model_name_or_path!r}: no usable tokenizer in {path} (it encodes text to "
+                             "nothing; expected tokenizer.json or the model's vocabulary files)")
     kind = (_model_type(path) or path).lower()
     if any(name in kind for name in LLAMA_FAMILY):
         if tokenizer.pad_token is None:
@@ -107,8 +110,11 @@ def create_hf_model(model_class, model_name_or_path: str, tokenizer, ds_config: 
     if rlhf_training:
         model = model_class.from_config(config, trust_remote_code=trust_remote_code)
     else:
-        model = model_class.from_pretrained(path, config=config, dtype=torch.float32, local_files_only=local,
-                                            trust_remote_code=trust_remote_code)
+        try:
+            model = model_class.from_pretrained(path, config=config, dtype=torch.float32, local_files_only=local,
+                                                trust_remote_code=trust_remote_code)
+        except OSError as e:  # no weight files in the folder, hub unreachable
+            raise UserInputError(f"cannot load the model weights for {model_name_or_path!r}: {e}") from None
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8.0)))

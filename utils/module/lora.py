@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils.errors import UserInputError
+
 
 class LinearLayer_LoRA(nn.Module):
     def __init__(self, weight: nn.Parameter, lora_dim: int = 0, lora_scaling: float = 1.0,
@@ -71,14 +73,15 @@ def convert_linear_layer_to_lora(model: nn.Module, part_module_name, lora_dim: i
     """Replace every ``nn.Linear`` whose qualified name contains ``part_module_name``.
 
     ``part_module_name`` may be a string or a list of strings (any match counts).
-    Raises ``ValueError`` when nothing matches: a silent no-op would train nothing.
+    Raises :class:`UserInputError` (a ``ValueError``) when nothing matches: a silent
+    no-op would train nothing, and the entry points turn it into one clear line.
     """
     parts = [part_module_name] if isinstance(part_module_name, str) else list(part_module_name)
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and any(p in name for p in parts)]
     if not names:
-        raise ValueError(f"--lora_module_name {part_module_name!r} matches no nn.Linear layer of "
-                         f"{type(model).__name__}")
+        raise UserInputError(f"--lora_module_name {part_module_name!r} matches no nn.Linear layer of "
+                             f"{type(model).__name__}")
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

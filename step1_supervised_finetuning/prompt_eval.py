@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Compare a baseline and a fine-tuned model on a few prompts (greedy decoding), as DeepSpeed-Chat's prompt_eval.
+
+    python prompt_eval.py --model_name_or_path_baseline facebook/opt-1.3b \\
+                          --model_name_or_path_finetune output/actor
+    python prompt_eval.py --model_name_or_path_baseline tiny-opt --model_name_or_path_finetune out/actor \\
+                          --prompts " Human: Describe the lamp. Assistant:"
+
+For every prompt it prints the baseline's greedy continuation, then the fine-tuned
+model's (and, with ``--num_beams > 1``, the fine-tuned model's beam search). Each
+model is loaded with its own tokenizer (local folders never touch the hub).
+``--num_beam_groups``, ``--top_k`` and ``--penalty_alpha`` are accepted for
+compatibility with the reference's scripts, whose diverse-beam and contrastive
+searches are commented out (transformers >= 4.56 moved both out of the library).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from utils.utils import run_main  # noqa: E402
+
+# Prompts end with ":" (the reference's observation: a trailing space often makes an
+# untuned model produce nothing).
+PROMPTS = {
+    "English": [
+        "Human: Please tell me about Microsoft in a few sentence? Assistant:",
+        "Human: Explain the moon landing to a 6 year old in a few sentences. Assistant:",
+        "Human: Write a short poem about a wise frog. Assistant:",
+        "Human: Who was president of the United States in 1955? Assistant:",
+        "Human: How does a telescope work? Assistant:",
+        "Human: Why do birds migrate south for the winter? Assistant:",
+    ],
+    "Chinese": [
+        "Human: 请用几句话介绍一下微软? Assistant:",
+        "Human: 用几句话向6岁的孩子解释登月。 Assistant:",
+        "Human: 写一首关于一只聪明的青蛙的短诗。 Assistant:",
+        "Human: 谁是1955年的美国总统? Assistant:",
+        "Human: 望远镜是如何工作的? Assistant:",
+        "Human: 鸟类为什么要南迁过冬? Assistant:",
+    ],
+    "Japanese": [
+        "Human: マイクロソフトについて簡単に教えてください。 Assistant:",
+        "Human: 6歳児に月面着陸を短い文で説明する。 Assistant:",
+        "Human: 賢いカエルについて短い詩を書いてください。 Assistant:",
+        "Human: 1955年のアメリカ合衆国大統領は誰? Assistant:",
+        "Human: 望遠鏡はどのように機能しますか? Assistant:",
+        "Human: 鳥が冬に南に移動するのはなぜですか? Assistant:",
+    ],
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Compare a baseline and a fine-tuned (SFT) model on prompts.")
+    parser.add_argument("--model_name_or_path_baseline", type=str, required=True,
+                        help="Baseline model: hub name, local HF folder or built-in tiny-opt/tiny-llama.")
+    parser.add_argument("--model_name_or_path_finetune", type=str, required=True,
+                        help="Fine-tuned model (e.g. step 1's --output_dir).")
+    parser.add_argument("--num_beams", type=int, default=1,
+                        help="> 1 also shows the fine-tuned model's beam search.")
+    parser.add_argument("--num_beam_groups", type=int, default=1, help="Accepted for compatibility (unused).")
+    parser.add_argument("--top_k", type=int, default=4, help="Accepted for compatibility (unused).")
+    parser.add_argument("--penalty_alpha", type=float, default=0.6, help="Accepted for compatibility (unused).")
+    parser.add_argument("--num_return_sequences", type=int, default=1,
+                        help="Sequences returned by the beam search (≤ --num_beams; greedy returns one).")
+    parser.add_argument("--max_new_tokens", type=int, default=100, help="Tokens generated per prompt.")
+    parser.add_argument("--language", type=str, default="English", choices=sorted(PROMPTS),
+                        help="Language of the built-in prompts.")
+    parser.add_argument("--prompts", type=str, nargs="+", default=None,
+                        help="Prompts to use instead of the built-in ones.")
+    parser.add_argument("--add_eot_token", action="store_true",
+                        help="Add --eot_token to both tokenizers as a special token.")
+    parser.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-text token.")
+    parser.add_argument("--trust_remote_code", action="store_true", help="Allow model folders to run their own code.")
+    return parser.parse_args(argv)
+
+
+def validate(args):
+    from utils.errors import UserInputError
+
+    for name in ("num_beams", "num_return_sequences", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UserInputError(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    if args.num_return_sequences > args.num_beams:
+        raise UserInputError(f"--num_return_sequences {args.num_return_sequences} needs --num_beams ≥ that "
+                             f"(got --num_beams {args.num_beams}); greedy decoding returns one sequence")
+    if args.prompts is not None and not all(p.strip() for p in args.prompts):
+        raise UserInputError("--prompts: empty prompt")
+
+
+def load(name_or_path, args, device):
+    """(model in eval mode on ``device``, its tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.model_utils import create_hf_model, load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(name_or_path, add_special_tokens=args.eot_token if args.add_eot_token else None,
+                                  trust_remote_code=args.trust_remote_code)
+    model = create_hf_model(AutoModelForCausalLM, name_or_path, tokenizer, None,
+                            trust_remote_code=args.trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+def generate(model, tokenizer, prompt, device, max_new_tokens, num_beams=1, num_return_sequences=1):
+    """Decoded texts (prompt included, special tokens dropped) of a deterministic search."""
+    import torch
+
+    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    with torch.no_grad():
+        ids = model.generate(inputs.input_ids, attention_mask=inputs.attention_mask, do_sample=False,
+                             num_beams=num_beams, num_return_sequences=num_return_sequences,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def print_block(title, texts):
+    print(f"=========={title}=========")
+    for text in texts:
+        print()
+        print(text)
+        print()
+
+
+def main(args):
+    import torch
+
+    validate(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    baseline, baseline_tok = load(args.model_name_or_path_baseline, args, device)
+    finetune, finetune_tok = load(args.model_name_or_path_finetune, args, device)
+    prompts = args.prompts or PROMPTS[args.language]
+    outputs = []
+    for prompt in prompts:
+        base = generate(baseline, baseline_tok, prompt, device, args.max_new_tokens)
+        tuned = generate(finetune, finetune_tok, prompt, device, args.max_new_tokens)
+        print_block("Baseline: Greedy", base)
+        print_block("finetune: Greedy", tuned)
+        if args.num_beams > 1:
+            print_block(f"finetune: Beam Search (num_beams={args.num_beams})",
+                        generate(finetune, finetune_tok, prompt, device, args.max_new_tokens, args.num_beams,
+                                 args.num_return_sequences))
+        print("====================prompt end=============================")
+        print()
+        outputs.append({"prompt": prompt, "baseline": base[0], "finetune": tuned[0]})
+    return outputs
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

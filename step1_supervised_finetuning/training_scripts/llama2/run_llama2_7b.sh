@@ -1,0 +1,29 @@
+#!/bin/bash
+# Step 1 (SFT), Llama-2-7B on one node (all its GPUs), ZeRO-3 + gradient checkpointing.
+# Usage: bash $0 [OUTPUT] [ZERO_STAGE] [extra main.py flags...]   (hyper-parameters of DeepSpeed-Chat's script)
+set -eo pipefail
+OUTPUT=${1:-./output_step1_llama2_7b}
+ZERO_STAGE=${2:-3}
+shift $(( $# < 2 ? $# : 2 ))
+STEP1_DIR=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUTPUT"
+
+deepspeed "$STEP1_DIR/main.py" \
+   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
+   --data_split 2,4,4 \
+   --model_name_or_path meta-llama/Llama-2-7b-hf \
+   --per_device_train_batch_size 4 \
+   --per_device_eval_batch_size 4 \
+   --max_seq_len 512 \
+   --learning_rate 9.65e-6 \
+   --weight_decay 0. \
+   --num_train_epochs 4 \
+   --gradient_accumulation_steps 1 \
+   --lr_scheduler_type cosine \
+   --num_warmup_steps 0 \
+   --seed 1234 \
+   --gradient_checkpointing \
+   --zero_stage "$ZERO_STAGE" \
+   --deepspeed \
+   --output_dir "$OUTPUT" \
+   "$@" 2>&1 | tee "$OUTPUT/training.log"

@@ -1,0 +1,128 @@
+"""DeepSpeed configs and optimizer groups (utils/ds_utils.py), against the reference's fields."""
+import pytest
+import torch
+
+from utils import ds_utils
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_train_config_fields(stage):
+    cfg = ds_utils.get_train_ds_config(offload=False, dtype="bf16", stage=stage)
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == stage
+    assert zero["offload_param"] == {"device": "none"} and zero["offload_optimizer"] == {"device": "none"}
+    assert zero["stage3_param_persistence_threshold"] == 1e4
+    assert zero["stage3_max_live_parameters"] == 3e7
+    assert zero["stage3_prefetch_bucket_size"] == 3e7
+    assert zero["overlap_comm"] is True and zero["memory_efficient_linear"] is False
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["prescale_gradients"] is False and cfg["wall_clock_breakdown"] is False
+    assert cfg["steps_per_print"] == 10
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+    assert cfg["hybrid_engine"] == {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                                    "release_inference_cache": False, "pin_parameters": True,
+                                    "tp_gather_partition_size": 8}
+    assert cfg["tensorboard"]["enabled"] is False
+
+
+def test_train_config_offload_fp16_hybrid_tensorboard():
+    cfg = ds_utils.get_train_ds_config(offload=True, dtype="fp16", stage=3, enable_hybrid_engine=True,
+                                       inference_tp_size=2, max_out_tokens=256, enable_tensorboard=True,
+                                       tb_path="/tmp/tb", tb_name="step3_actor")
+    zero = cfg["zero_optimization"]
+    assert zero["offload_param"] == {"device": "cpu"} and zero["offload_optimizer"] == {"device": "cpu"}
+    assert cfg["fp16"] == {"enabled": True, "loss_scale_window": 100} and "bf16" not in cfg
+    assert cfg["hybrid_engine"]["enabled"] is True
+    assert cfg["hybrid_engine"]["inference_tp_size"] == 2 and cfg["hybrid_engine"]["max_out_tokens"] == 256
+    assert cfg["tensorboard"] == {"enabled": True, "output_path": "/tmp/tb/ds_tensorboard_logs/",
+                                  "job_name": "step3_actor_tensorboard"}
+
+
+def test_fp32_has_no_precision_block():
+    cfg = ds_utils.get_train_ds_config(offload=False, dtype="fp32", stage=2)
+    assert "fp16" not in cfg and "bf16" not in cfg
+
+
+def test_eval_config_fields():
+    cfg = ds_utils.get_eval_ds_config(offload=True, dtype="fp16", stage=3)
+    assert cfg["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 1e4,
+                                        "offload_param": {"device": "cpu"}, "memory_efficient_linear": False}
+    assert cfg["fp16"] == {"enabled": True, "loss_scale_window": 100}
+    assert cfg["gradient_clipping"] == 1.0
+    assert "hybrid_engine" not in cfg and "offload_optimizer" not in cfg["zero_optimization"]
+    cfg = ds_utils.get_eval_ds_config(offload=False, dtype="bf16")
+    assert cfg["zero_optimization"]["stage"] == 0 and cfg["zero_optimization"]["offload_param"] == {"device": "none"}
+    assert cfg["bf16"] == {"enabled": True}
+
+
+@pytest.mark.parametrize("micro, world, accum, total", [(4, 1, 1, 4), (8, 2, 4, 64), (16, 8, 1, 128), (1, 3, 5, 15)])
+def test_set_batch_sizes(micro, world, accum, total):
+    cfg = ds_utils.set_batch_sizes(ds_utils.get_train_ds_config(False, "bf16"), micro, world, accum)
+    assert cfg["train_micro_batch_size_per_gpu"] == micro
+    assert cfg["gradient_accumulation_steps"] == accum
+    assert cfg["train_batch_size"] == total
+
+
+class Toy(torch.nn.Module):
+    """Parameter names of the kinds the groups distinguish."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)                  # fc.weight: decay, fc.bias: no decay
+        self.self_attn_layer_norm = torch.nn.LayerNorm(2)  # OPT: "layer_norm.weight"
+        self.input_layernorm = torch.nn.LayerNorm(2)     # Llama-style: "layernorm.weight"
+        self.norm = torch.nn.LayerNorm(2)                # "norm.weight"
+        self.ln_f = torch.nn.LayerNorm(2)                # GPT-2 style: "ln_f.weight"
+        self.lora_right_weight = torch.nn.Parameter(torch.zeros(2, 1))
+        self.lora_left_weight = torch.nn.Parameter(torch.zeros(1, 2))
+        self.frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+
+def names(model, group):
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return sorted(by_id[id(p)] for p in group["params"])
+
+
+def test_optimizer_groups():
+    model = Toy()
+    decay, lora, no_decay = ds_utils.get_optimizer_grouped_parameters(model, weight_decay=0.1, lora_lr=5e-4)
+    assert names(model, decay) == ["fc.weight"] and decay["weight_decay"] == 0.1 and "lr" not in decay
+    assert names(model, lora) == ["lora_left_weight", "lora_right_weight"]
+    assert lora["lr"] == 5e-4 and lora["weight_decay"] == 0.1
+    assert names(model, no_decay) == sorted(
+        ["fc.bias", "self_attn_layer_norm.weight", "self_attn_layer_norm.bias", "input_layernorm.weight",
+         "input_layernorm.bias", "norm.weight", "norm.bias", "ln_f.weight", "ln_f.bias"])
+    assert no_decay["weight_decay"] == 0.0
+
+
+def test_empty_groups_dropped_and_cpu_optimizer():
+    model = Toy()
+    for n, p in model.named_parameters():
+        p.requires_grad = "lora" in n
+    groups = ds_utils.get_optimizer_grouped_parameters(model, 0.0, lora_lr=1e-4)
+    assert len(groups) == 1 and groups[0]["lr"] == 1e-4
+    for p in model.parameters():
+        p.requires_grad = True
+    opt = ds_utils.create_optimizer(model, weight_decay=0.01, learning_rate=1e-3, lora_learning_rate=2e-4,
+                                    offload=False)
+    assert isinstance(opt, torch.optim.AdamW)  # CPU, no offload
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 2e-4, 1e-3]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.01, 0.0]
+    assert all(g["betas"] == (0.9, 0.95) for g in opt.param_groups)
+
+
+def test_tiny_opt_groups_with_lora():
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.model_utils import create_hf_model, load_hf_tokenizer
+    from utils.module.lora import convert_linear_layer_to_lora
+
+    tok = load_hf_tokenizer("tiny-opt")
+    model = create_hf_model(AutoModelForCausalLM, "tiny-opt", tok)
+    # 4 layers x (q, k, v, out, fc1, fc2): 24 weights + 2 embeddings decay; 24 biases + 4 x 2 layer norms x 2
+    # + final layer norm x 2 = 42 no-decay (lm_head is tied to embed_tokens)
+    decay, no_decay = ds_utils.get_optimizer_grouped_parameters(model, 0.1)
+    assert (len(decay["params"]), len(no_decay["params"])) == (26, 42)
+    convert_linear_layer_to_lora(model, "decoder.layers.", 8)  # base weights frozen, biases stay trainable
+    decay, lora, no_decay = ds_utils.get_optimizer_grouped_parameters(model, 0.1, lora_lr=3e-4)
+    assert (len(decay["params"]), len(lora["params"]), len(no_decay["params"])) == (2, 48, 42)
