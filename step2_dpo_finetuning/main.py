@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Step 2 (alternative): Direct Preference Optimisation of the step-1 model on preference pairs.
+
+    deepspeed main.py --model_name_or_path out/actor --data_path Dahoas/rm-static ...
+    python main.py --model_name_or_path out/actor --data_path builtin/preference --output_dir out/dpo
+
+Instead of a reward model + PPO, the policy (a causal LM, usually the step-1 output) is
+trained directly on the phase-2 pairs against a frozen copy of itself (the reference
+model, a DeepSpeed eval engine):
+
+    z = β·((log π(c) − log π(r)) − (log π_ref(c) − log π_ref(r))),  loss = −log σ(z)   (label smoothing optional)
+
+where ``log π(·)`` sums the log-probabilities of the ANSWER tokens, EOS included (see
+:func:`dpo_loss_mask`). Logged: loss, implicit rewards β·(log π − log π_ref) of chosen
+and rejected, their margin and the accuracy (chosen reward > rejected reward). The
+result is a plain Hugging Face causal-LM folder: use it directly or as the step-3 actor.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import torch  # noqa: E402
+
+from utils.arguments import (add_data_args, add_deepspeed_args, add_logging_args, add_lora_args,  # noqa: E402
+                             add_model_args, add_training_args, validate_common)
+from utils.utils import run_main  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Step 2 (DPO): direct preference optimisation of a causal LM.")
+    add_data_args(parser)
+    add_model_args(parser)
+    add_training_args(parser)
+    add_lora_args(parser)
+    add_deepspeed_args(parser)
+    add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    g = parser.add_argument_group("dpo")
+    g.add_argument("--beta", type=float, default=0.1,
+                   help="DPO temperature β (typically 0.1-0.5; the reference model matters less as β → 0).")
+    g.add_argument("--label_smoothing", type=float, default=0.0,
+                   help="Conservative DPO: assumed probability that a preference label is flipped.")
+    g.add_argument("--offload_reference_model", action="store_true", help="ZeRO-Offload the reference model to CPU.")
+    g.add_argument("--eval_interval", type=int, default=0,
+                   help="Evaluate every this many optimizer steps (0 = only before training and after each epoch).")
+    g.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
+    return parser.parse_args(argv)
+
+
+def dpo_loss_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[2B, T]`` mask of the tokens whose log-probabilities DPO sums: the answers.
+
+    Rows are ``[chosen_1..B; rejected_1..B]``. As in DeepSpeed-Chat, a pair's tokens before
+    the first position where chosen and rejected differ are dropped: that is the shared
+    prompt (plus any shared start of the answers, whose log-probabilities would cancel in
+    the loss anyway). Everything after it that is not padding counts, the EOS included
+    (``attention_mask`` marks real tokens even when pad = eos; the reference used
+    ``ids != pad`` and so never trained the EOS of OPT-style models).
+    """
+    B = input_ids.shape[0] // 2
+    chosen, rejected = input_ids[:B], input_ids[B:]
+    T = input_ids.shape[1]
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    differs = chosen != rejected
+    divergence = torch.where(differs, positions, torch.full_like(positions, T)).min(dim=1).values
+    after_prefix = (positions >= divergence[:, None]).repeat(2, 1)
+    return attention_mask.long() * after_prefix.long()
+
+
+def dpo_batch(model, ref_model, batch, beta: float, label_smoothing: float) -> dict:
+    """Loss (with gradient) and detached per-pair statistics for one ``[chosen; rejected]`` batch."""
+    from utils.rl_math import dpo_loss, sequence_log_probs
+
+    ids, att = batch["input_ids"], batch["attention_mask"]
+    B = ids.shape[0] // 2
+    mask = dpo_loss_mask(ids, att)
+    logps = sequence_log_probs(model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids, mask)
+    with torch.no_grad():
+        ref_logps = sequence_log_probs(ref_model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids, mask)
+    loss, chosen_rewards, rejected_rewards = dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta,
+                                                      label_smoothing)
+    return {"loss": loss, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
+
+
+def summarize(out: dict) -> dict:
+    """Scalars of one batch: loss, mean chosen/rejected reward, margin, accuracy."""
+    c, r = out["chosen_rewards"].float(), out["rejected_rewards"].float()
+    return {"loss": out["loss"].item(), "chosen_reward": c.mean().item(), "rejected_reward": r.mean().item(),
+            "margin": (c - r).mean().item(), "acc": (c > r).float().mean().item()}
+
+
+def evaluate_dpo(model, ref_model, dataloader, device, eval_iters: int, beta: float, label_smoothing: float) -> dict:
+    """Eval-set means of the :func:`summarize` statistics (per pair; loss per batch), all-reduced across ranks."""
+    from utils.utils import get_all_reduce_mean, to_device
+
+    model.eval()
+    # loss sum, batches, chosen sum, rejected sum, correct, pairs
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for i, batch in enumerate(dataloader):
+            if i == eval_iters:
+                break
+            out = dpo_batch(model, ref_model, to_device(batch, device), beta, label_smoothing)
+            c, r = out["chosen_rewards"].double(), out["rejected_rewards"].double()
+            sums += torch.tensor([out["loss"].item(), 1.0, c.sum().item(), r.sum().item(), (c > r).sum().item(),
+                                  float(len(c))], dtype=torch.float64, device=device)
+    loss_sum, batches, chosen_sum, rejected_sum, correct, pairs = get_all_reduce_mean(sums).tolist()
+    model.train()
+    pairs, batches = max(pairs, 1e-12), max(batches, 1e-12)
+    return {"loss": loss_sum / batches, "chosen_reward": chosen_sum / pairs, "rejected_reward": rejected_sum / pairs,
+            "margin": (chosen_sum - rejected_sum) / pairs, "acc": correct / pairs}
+
+
+def format_metrics(m: dict) -> str:
+    return (f"loss {m['loss']:.4f}, chosen reward {m['chosen_reward']:+.4f}, rejected reward "
+            f"{m['rejected_reward']:+.4f}, margin {m['margin']:+.4f}, acc {m['acc']:.4f}")
+
+
+def main(args):
+    import deepspeed
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
+    from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
+    from utils.compat import check_zero_combination
+    from utils.errors import UserInputError
+    from utils.logger import TrainLogger
+    from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+    from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
+                                   only_optimize_lora_parameters)
+    from utils.perf import throughput_line
+    from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
+
+    # ---- set-up: distributed, precision, DeepSpeed configs (policy: train; reference: eval)
+    validate_common(args)
+    check_zero_combination(args)
+    if args.beta <= 0:
+        raise UserInputError(f"--beta must be > 0, got {args.beta}")
+    if not 0.0 <= args.label_smoothing < 0.5:
+        raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    device = init_distributed(args)
+    resolve_dtype(args)
+    set_random_seed(args.seed)
+    log = TrainLogger("step2_dpo", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
+                                    enable_tensorboard=args.enable_tensorboard,
+                                    tb_path=args.tensorboard_path, tb_name="step2_dpo")
+    set_batch_sizes(ds_config, args.per_device_train_batch_size, get_world_size(), args.gradient_accumulation_steps)
+    # ZeRO-3 for the policy means ZeRO-3 for everything; otherwise the frozen copy fits unpartitioned
+    ref_ds_config = get_eval_ds_config(args.offload_reference_model, args.dtype, 3 if args.zero_stage == 3 else 0)
+    set_batch_sizes(ref_ds_config, args.per_device_train_batch_size, get_world_size(),
+                    args.gradient_accumulation_steps)
+    barrier()
+
+    # ---- tokenizer, policy, reference
+    eot = args.eot_token if args.add_eot_token else None
+    tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
+                                  trust_remote_code=args.trust_remote_code)
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
+                            dropout=args.dropout, trust_remote_code=args.trust_remote_code)
+    ref_model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ref_ds_config,
+                                dropout=args.dropout, trust_remote_code=args.trust_remote_code)
+    if args.lora_dim > 0:
+        convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
+        if args.only_optimize_lora:
+            only_optimize_lora_parameters(model)
+            make_model_gradient_checkpointing_compatible(model)
+
+    # ---- data: (chosen, rejected) pairs, collated as [chosen…; rejected…]
+    train_dataset, eval_dataset = create_prompt_dataset(
+        args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
+        log=log.info)
+    distributed = get_world_size() > 1
+    collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len)
+    train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
+                              sampler=DistributedSampler(train_dataset, seed=args.seed) if distributed
+                              else RandomSampler(train_dataset, generator=torch.Generator().manual_seed(args.seed)))
+    eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
+                             sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
+                             else SequentialSampler(eval_dataset))
+
+    # ---- optimizer, schedule, engines
+    optimizer = create_optimizer(model, args.weight_decay, args.learning_rate, args.lora_learning_rate, args.offload)
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+    total_steps = args.num_train_epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
+                                 num_training_steps=total_steps)
+    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
+                                                             config=ds_config, lr_scheduler=lr_scheduler,
+                                                             dist_init_required=True)
+    ref_model, *_ = deepspeed.initialize(model=ref_model, config=ref_ds_config)
+    ref_model.eval()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+
+    def evaluate(step: int, when: str) -> dict:
+        metrics = evaluate_dpo(model, ref_model, eval_loader, device, args.eval_iters, args.beta,
+                               args.label_smoothing)
+        log.info(f"eval {when}: {format_metrics(metrics)}")
+        log.scalars(step, "eval", **metrics)
+        return metrics
+
+    # ---- train
+    log.info(f"***** Running DPO training: {len(train_dataset)} pairs, {total_steps} optimizer steps, "
+             f"beta {args.beta} *****")
+    first = metrics = evaluate(0, "before training")
+    step = 0
+    for epoch in range(args.num_train_epochs):
+        if distributed:
+            train_loader.sampler.set_epoch(epoch)
+        log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
+        model.train()
+        for batch in log.progress(train_loader, desc=f"dpo epoch {epoch + 1}"):
+            start = time.time()
+            batch = to_device(batch, device)
+            out = dpo_batch(model, ref_model, batch, args.beta, args.label_smoothing)
+            if not torch.isfinite(out["loss"]):
+                raise FloatingPointError(f"DPO: non-finite loss ({out['loss'].item()}) at optimizer step {step + 1} "
+                                         f"(epoch {epoch + 1}); try a lower --learning_rate")
+            model.backward(out["loss"])
+            model.step()
+            if not model.is_gradient_accumulation_boundary():
+                continue
+            step += 1
+            stats = summarize(out)
+            if args.print_loss:
+                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
+            log.scalars(step, "train", lr=lr_scheduler.get_last_lr()[0], **stats)
+            if step % 10 == 0 or step == total_steps:
+                log.info(throughput_line(model.module, model.module.config, time.time() - start,
+                                         2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],
+                                         get_world_size(), args.gradient_checkpointing))
+            if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
+                evaluate(step, f"at step {step}")
+            if args.max_steps and step >= args.max_steps:
+                break
+        metrics = evaluate(step, f"after epoch {epoch + 1}")
+        if args.max_steps and step >= args.max_steps:
+            break
+    log.info(f"reward margin: before {first['margin']:+.4f} -> after {metrics['margin']:+.4f}; "
+             f"accuracy {first['acc']:.4f} -> {metrics['acc']:.4f}")
+
+    # ---- save (a plain HF causal-LM folder)
+    if args.output_dir is not None:
+        log.info(f"saving the final model to {args.output_dir}")
+        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage)
+    log.close()
+    return {"margin_before": first["margin"], "margin": metrics["margin"], "accuracy_before": first["acc"],
+            "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": step}
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Score prompt/answer pairs with a trained step-2 reward model.
+
+    python rw_eval.py --model_name_or_path out/reward \\
+        --prompt " Human: Describe the lamp. Assistant:" --answer " The lamp is bright and kind and calm." \\
+        --prompt " Human: Describe the lamp. Assistant:" --answer " The lamp is dull and rude and cold."
+    python rw_eval.py --model_name_or_path out/reward --input_file pairs.jsonl [--output_file scores.jsonl]
+
+``--input_file`` rows are ``{"prompt", "answer"}`` (one score) or ``{"prompt", "chosen",
+"rejected"}`` (both scored; the pair is correct when chosen scores higher). Each text is
+scored as ``prompt + answer + --eot_token`` with ``forward_value``'s end score (the value
+at the last answer token, :mod:`utils.model.reward_model`). Write prompts in the format
+the model was trained on (e.g. ``" Human: … Assistant:"``, answers starting with a space).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+from utils.errors import UserInputError  # noqa: E402
+from utils.utils import run_main  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Score prompt/answer pairs with a step-2 reward model.")
+    parser.add_argument("--model_name_or_path", required=True, help="A step-2 output folder.")
+    parser.add_argument("--prompt", action="append", default=[], help="A prompt (repeat, paired with --answer).")
+    parser.add_argument("--answer", action="append", default=[],
+                        help="An answer (repeat; one per --prompt, or several for a single --prompt).")
+    parser.add_argument("--input_file", help="JSON lines of {prompt, answer} or {prompt, chosen, rejected}.")
+    parser.add_argument("--output_file", help="Write one JSON line per row with the scores.")
+    parser.add_argument("--num_padding_at_beginning", type=int, default=None,
+                        help="Override the value stored in the model folder.")
+    parser.add_argument("--max_seq_len", type=int, default=512, help="Texts are truncated to this many tokens.")
+    parser.add_argument("--eot_token", default="<|endoftext|>", help="End-of-text token appended to every answer.")
+    parser.add_argument("--batch_size", type=int, default=16)
+    return parser.parse_args(argv)
+
+
+def rows_from_args(args) -> list:
+    """``[{"prompt", "answer"} or {"prompt", "chosen", "rejected"}]`` from the flags / the input file."""
+    if args.input_file:
+        if args.prompt or args.answer:
+            raise UserInputError("give either --input_file or --prompt/--answer pairs, not both")
+        return read_rows(args.input_file)
+    prompts, answers = args.prompt, args.answer
+    if not prompts or not answers:
+        raise UserInputError("nothing to score: give --prompt P --answer A (repeatable) or --input_file")
+    if len(prompts) == 1:
+        prompts = prompts * len(answers)
+    if len(prompts) != len(answers):
+        raise UserInputError(f"{len(args.prompt)} --prompt but {len(answers)} --answer: give one answer per prompt "
+                             "(or one prompt and several answers)")
+    return [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)]
+
+
+def read_rows(path: str) -> list:
+    if not os.path.isfile(path):
+        raise UserInputError(f"--input_file {path}: no such file")
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UserInputError(f"--input_file {path} line {line_no}: not JSON ({e})") from None
+            fields = ("prompt", "chosen", "rejected") if "chosen" in row else ("prompt", "answer")
+            for field in fields:
+                if not isinstance(row.get(field), str):
+                    raise UserInputError(f"--input_file {path} line {line_no}: field {field!r} missing or not text "
+                                         f"(rows need prompt+answer or prompt+chosen+rejected)")
+            rows.append({k: row[k] for k in fields})
+    if not rows:
+        raise UserInputError(f"--input_file {path}: no rows")
+    return rows
+
+
+def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu") -> list:
+    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer); list of floats."""
+    import torch
+
+    scores = []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i:i + batch_size]
+        batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len, padding=True,
+                          return_tensors="pt")  # right padding (load_hf_tokenizer)
+        prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
+                                       for p, _ in chunk])
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        with torch.no_grad():
+            out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      prompt_length=prompt_lengths.to(device))
+        scores.extend(out["chosen_end_scores"].float().tolist())
+    return scores
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def main(args):
+    import torch
+
+    from utils.model.critic import load_reward_model
+
+    rows = rows_from_args(args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_reward_model(args.model_name_or_path, device, args.num_padding_at_beginning)
+    pairs = []
+    for row in rows:
+        for key in ("answer", "chosen", "rejected"):
+            if key in row:
+                pairs.append((row["prompt"], row[key]))
+    scores = iter(score_texts(model, tokenizer, pairs, args.max_seq_len, args.eot_token, args.batch_size, device))
+    results, correct, compared = [], 0, 0
+    for i, row in enumerate(rows):
+        out = dict(row)
+        if "answer" in row:
+            out["score"] = next(scores)
+            print(f"[{i}] score {out['score']:+.6f}  prompt: {_short(row['prompt'])!r}  "
+                  f"answer: {_short(row['answer'])!r}")
+        else:
+            out["chosen_score"], out["rejected_score"] = next(scores), next(scores)
+            compared += 1
+            correct += out["chosen_score"] > out["rejected_score"]
+            print(f"[{i}] chosen {out['chosen_score']:+.6f}  rejected {out['rejected_score']:+.6f}  "
+                  f"{'ok' if out['chosen_score'] > out['rejected_score'] else 'WRONG'}  "
+                  f"prompt: {_short(row['prompt'])!r}")
+        results.append(out)
+    if compared:
+        print(f"accuracy (chosen > rejected): {correct}/{compared} = {correct / compared:.4f}")
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            for out in results:
+                f.write(json.dumps(out) + "\n")
+    return {"scores": results, "accuracy": correct / compared if compared else None}
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

@@ -1,0 +1,204 @@
+"""RewardModel (forward / forward_value score positions) and step-2 folders (save, strict load)."""
+import json
+import os
+
+import pytest
+import torch
+
+from utils.errors import UserInputError
+from utils.model.critic import (MARKER_FILE, WEIGHTS_FILE, create_critic_model, load_reward_model,
+                                save_reward_model)
+from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
+from utils.model.reward_model import count_leading_pads, end_score_index
+from utils.rl_math import pairwise_reward_loss
+
+# --------------------------------------------------------------------------- end_score_index (hand-made ids)
+
+PAD = EOS = 0  # OPT-style: BOS = EOS = pad = 0
+
+
+def test_end_index_opt_style_with_eos_and_padding():
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0, 0, 0],   # prompt 0 5 6, answer 7 8, EOS, pads
+                        [0, 5, 6, 9, 0, 0, 0, 0]])  # answer 9
+    assert end_score_index(ids, 3, PAD, EOS, 1).tolist() == [4, 3]
+    # prompt_length 0: the leading BOS (= pad) is skipped thanks to num_padding_at_beginning
+    assert end_score_index(ids, 0, PAD, EOS, 1).tolist() == [4, 3]
+    # per-row prompt lengths
+    assert end_score_index(ids, torch.tensor([3, 2]), PAD, EOS, 1).tolist() == [4, 3]
+
+
+def test_end_index_without_eos_is_last_position():
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    assert end_score_index(ids, 3, PAD, EOS, 1).tolist() == [5]
+
+
+def test_end_index_llama_style_stops_before_eos_or_pad():
+    pad, eos = 0, 2
+    ids = torch.tensor([[1, 5, 6, 7, 8, 2, 0, 0],   # EOS then pads: the token before the EOS
+                        [1, 5, 6, 7, 0, 0, 0, 0],   # no EOS, padded: the last real token
+                        [1, 5, 6, 2, 0, 0, 0, 0]])  # empty answer: the last prompt token
+    assert end_score_index(ids, 3, pad, eos, 0).tolist() == [4, 3, 2]
+
+
+def test_end_index_left_padded_prompt():
+    # step 3 layout: prompt left-padded to P = 4 (pads and BOS inside the prompt are ignored)
+    ids = torch.tensor([[0, 0, 0, 5, 7, 8, 0, 0]])
+    assert end_score_index(ids, 4, PAD, EOS, 1).tolist() == [5]
+
+
+def test_count_leading_pads():
+    assert count_leading_pads(torch.tensor([0, 5, 0]), 0) == 1
+    assert count_leading_pads(torch.tensor([1, 5, 0]), 0) == 0
+
+
+# --------------------------------------------------------------------------- tiny models
+
+def _tokenize(tokenizer, texts):
+    return tokenizer(texts, padding=True, return_tensors="pt")
+
+
+@pytest.fixture(scope="module")
+def opt():
+    torch.manual_seed(0)
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    model = create_critic_model("tiny-opt", tokenizer, None, num_padding_at_beginning=1).eval()
+    torch.nn.init.normal_(model.v_head.weight, std=1.0)  # make scores clearly position-dependent
+    return model, tokenizer
+
+
+PROMPT = " Human: Describe the lamp. Assistant:"
+GOOD = " The lamp is bright and kind and calm."
+BAD = " The lamp is dull and rude."
+
+
+def test_forward_pairwise_scores_at_last_answer_token_opt(opt):
+    model, tok = opt
+    eot = tok.eos_token
+    batch = _tokenize(tok, [PROMPT + GOOD + eot, PROMPT + BAD + eot])  # chosen row, rejected row (B = 1)
+    ids = batch["input_ids"]
+    assert ids[0, 0] == tok.pad_token_id  # OPT-style BOS = pad: npab 1
+    with torch.no_grad():
+        out = model(**batch)
+        values = model.forward_value(**batch, return_value_only=True)
+    # hand-computed positions: the token before each row's EOS
+    c_eos = int((ids[0, 1:] == tok.eos_token_id).nonzero()[0]) + 1
+    r_eos = int((ids[1, 1:] == tok.eos_token_id).nonzero()[0]) + 1
+    assert torch.allclose(out["chosen_mean_scores"], values[0, c_eos - 1:c_eos])
+    assert torch.allclose(out["rejected_mean_scores"], values[1, r_eos - 1:r_eos])
+    loss, _, _ = pairwise_reward_loss(values[:1], values[1:], ids[:1], ids[1:], tok.pad_token_id, 1)
+    assert torch.allclose(out["loss"], loss)
+    # forward_value reads the same positions (OPT: pad = eos)
+    prompt_len = len(tok(PROMPT)["input_ids"])
+    with torch.no_grad():
+        end = model.forward_value(**batch, prompt_length=prompt_len)["chosen_end_scores"]
+    assert torch.allclose(end, torch.stack([out["chosen_mean_scores"][0], out["rejected_mean_scores"][0]]))
+
+
+def test_forward_value_padding_does_not_change_scores(opt):
+    model, tok = opt
+    eot = tok.eos_token
+    short, long = PROMPT + BAD + eot, PROMPT + GOOD + " And more words here." + eot
+    prompt_len = len(tok(PROMPT)["input_ids"])
+    with torch.no_grad():
+        padded = model.forward_value(**_tokenize(tok, [short, long]), prompt_length=prompt_len)["chosen_end_scores"]
+        alone = model.forward_value(**_tokenize(tok, [short]), prompt_length=prompt_len)["chosen_end_scores"]
+        # without EOS (answer cut at the length limit) the last position counts
+        cut = _tokenize(tok, [PROMPT + BAD])
+        no_eos = model.forward_value(**cut, prompt_length=prompt_len)
+    assert torch.allclose(padded[0], alone[0], atol=1e-5)
+    assert torch.allclose(no_eos["chosen_end_scores"], no_eos["values"][:, -1])
+
+
+def test_forward_llama_reads_eos_forward_value_reads_token_before():
+    torch.manual_seed(0)
+    tok = load_hf_tokenizer("tiny-llama")
+    model = create_critic_model("tiny-llama", tok, None, num_padding_at_beginning=0).eval()
+    assert tok.pad_token_id != tok.eos_token_id
+    batch = _tokenize(tok, [PROMPT + GOOD + tok.eos_token, PROMPT + BAD + tok.eos_token])
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        out = model(**batch)
+        values = model.forward_value(**batch, return_value_only=True)
+        end = model.forward_value(**batch, prompt_length=len(tok(PROMPT)["input_ids"]))["chosen_end_scores"]
+    c_eos = int((ids[0] == tok.eos_token_id).nonzero()[0])
+    r_eos = int((ids[1] == tok.eos_token_id).nonzero()[0])
+    assert torch.allclose(out["chosen_mean_scores"], values[0, c_eos:c_eos + 1])  # reference rule: at the EOS
+    assert torch.allclose(out["rejected_mean_scores"], values[1, r_eos:r_eos + 1])
+    assert torch.allclose(end, torch.stack([values[0, c_eos - 1], values[1, r_eos - 1]]))  # token before EOS
+
+
+# --------------------------------------------------------------------------- folders
+
+def test_save_load_round_trip_with_lora_fused(opt, tmp_path):
+    from utils.module.lora import convert_linear_layer_to_lora
+
+    _, tok = opt
+    torch.manual_seed(1)
+    model = create_critic_model("tiny-opt", tok, None, num_padding_at_beginning=1).eval()
+    convert_linear_layer_to_lora(model, "decoder.layers.", lora_dim=4)
+    for name, p in model.named_parameters():
+        if "lora_left_weight" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a non-trivial LoRA update
+    batch = _tokenize(tok, [PROMPT + GOOD + tok.eos_token, PROMPT + BAD + tok.eos_token])
+    with torch.no_grad():
+        before = model.forward_value(**batch, prompt_length=5)
+    save_reward_model(model, tok, str(tmp_path / "rm"))
+
+    files = set(os.listdir(tmp_path / "rm"))
+    assert {"config.json", WEIGHTS_FILE, MARKER_FILE} <= files
+    marker = json.loads((tmp_path / "rm" / MARKER_FILE).read_text())
+    assert marker["num_padding_at_beginning"] == 1
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "rm" / WEIGHTS_FILE)))
+    assert "v_head.weight" in keys and not any("lora" in k for k in keys)
+
+    loaded, tok2 = load_reward_model(str(tmp_path / "rm"))
+    assert loaded.num_padding_at_beginning == 1 and not loaded.training
+    with torch.no_grad():
+        after = loaded.forward_value(**batch, prompt_length=5)
+    assert torch.allclose(before["values"], after["values"], atol=1e-5)
+    assert torch.allclose(before["chosen_end_scores"], after["chosen_end_scores"], atol=1e-5)
+    assert tok2(PROMPT)["input_ids"] == tok(PROMPT)["input_ids"]
+
+
+def test_loads_reference_checkpoint_layout(opt, tmp_path):
+    """A DeepSpeed-Chat step-2 folder (pytorch_model.bin, 'rwtranrsformer.' keys, no marker) loads."""
+    model, tok = opt
+    folder = tmp_path / "ref"
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    state = {k.replace("rwtransformer.", "rwtranrsformer."): v for k, v in model.state_dict().items()}
+    torch.save(state, folder / "pytorch_model.bin")
+    loaded = create_critic_model(str(folder), tok, None, 1, rlhf_training=True)
+    assert torch.equal(loaded.v_head.weight, model.v_head.weight)
+
+
+def test_step1_folder_is_not_a_reward_model(opt):
+    _, tok = opt
+    folder = resolve_model_name_or_path("tiny-opt")  # a causal-LM folder, like a step-1 output
+    with pytest.raises(UserInputError, match=r"not a step-2 reward model folder.*v_head"):
+        create_critic_model(folder, tok, None, 1, rlhf_training=True)
+
+
+def test_missing_keys_and_folders_are_user_errors(opt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, tok = opt
+    save_reward_model(model, tok, str(tmp_path / "rm"))
+    weights = tmp_path / "rm" / WEIGHTS_FILE
+    state = load_file(str(weights))
+    del state["v_head.weight"]
+    del state["rwtransformer.decoder.final_layer_norm.weight"]
+    save_file(state, str(weights))
+    with pytest.raises(UserInputError, match=r"rm.*missing.*final_layer_norm.weight.*v_head.weight"):
+        create_critic_model(str(tmp_path / "rm"), tok, None, 1, rlhf_training=True)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((tmp_path / "rm" / "config.json").read_text())
+    with pytest.raises(UserInputError, match=r"empty is not a step-2 reward model folder: missing"):
+        load_reward_model(str(empty))
+    with pytest.raises(UserInputError, match="no such folder"):
+        load_reward_model(str(tmp_path / "nowhere"))

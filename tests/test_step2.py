@@ -1,0 +1,139 @@
+"""Step 2 end to end: real hh-rlhf pairs, reload/score consistency, LoRA + ZeRO-2, bad input."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_entry, shared_data
+from utils.data.builtin import generate
+
+STEP2 = "step2_reward_model_finetuning/main.py"
+RW_EVAL = "step2_reward_model_finetuning/rw_eval.py"
+OMP = {"OMP_NUM_THREADS": "1"}
+
+
+def _metrics(out_dir, phase):
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == phase]
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_hh_rlhf_trains_and_reloads_with_identical_scores(tmp_path):
+    from step2_reward_model_finetuning.main import evaluate_reward
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
+    from utils.model.critic import load_reward_model
+
+    data = shared_data("hh-rlhf", "harmless-base-test.jsonl.gz")
+    out, cache = tmp_path / "rm", tmp_path / "data"
+    _ok(run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", data, "--data_output_path", cache,
+                  "--output_dir", out, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 8,
+                  "--max_seq_len", 128, "--max_steps", 12, "--learning_rate", 1e-3, "--dropout", 0.0,
+                  "--eval_iters", 4, "--num_padding_at_beginning", 1, env=OMP))
+
+    evals, train = _metrics(out, "eval"), _metrics(out, "train")
+    assert len(train) == 12 and all(r["loss"] > 0 for r in train)
+    assert evals[-1]["loss"] < evals[0]["loss"], evals  # held-out pairwise loss decreases
+
+    # the saved folder scores the eval set exactly like the model at the end of training
+    model, tokenizer = load_reward_model(str(out))
+    _, eval_set = create_prompt_dataset(-1, [str(data)], "2,4,4", str(cache), 2, 1234, tokenizer, 128,
+                                        log=lambda *_: None)
+    loader = DataLoader(eval_set, batch_size=8, sampler=SequentialSampler(eval_set),
+                        collate_fn=DataCollatorReward(tokenizer.pad_token_id, 128))
+    again = evaluate_reward(model, loader, torch.device("cpu"), eval_iters=4)
+    for key in ("acc", "chosen", "rejected", "loss"):
+        assert again[key] == pytest.approx(evals[-1][key], abs=1e-5), key
+
+    # rw_eval prints/writes the same end scores as forward_value on the reloaded model (twice: deterministic)
+    prompt = "\n\nHuman: How do I make a cake?\n\nAssistant:"
+    answers = [" Mix flour, eggs and sugar, then bake it.", " I won't help with that."]
+    rows = [{"prompt": prompt, "answer": a} for a in answers]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _ok(run_entry(RW_EVAL, "--model_name_or_path", out, "--input_file", tmp_path / "rows.jsonl",
+                         "--output_file", tmp_path / "scores.jsonl", env=OMP))
+    assert proc.stdout.count("score") == 2
+    cli = [json.loads(line)["score"] for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    prompt_len = len(tokenizer(prompt)["input_ids"])
+    for _ in range(2):
+        batch = tokenizer([prompt + a + "<|endoftext|>" for a in answers], padding=True, return_tensors="pt")
+        with torch.no_grad():
+            direct = model.forward_value(**batch, prompt_length=prompt_len)["chosen_end_scores"].tolist()
+        assert direct == pytest.approx(cli, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_zero2_only_optimize_lora_trains_v_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from utils.model.critic import create_critic_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.utils import set_random_seed
+
+    out = tmp_path / "rm"
+    proc = _ok(run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", "builtin/preference-small",
+                         "--data_output_path", tmp_path / "data", "--output_dir", out,
+                         "--per_device_train_batch_size", 8, "--max_seq_len", 64, "--max_steps", 4,
+                         "--eval_iters", 1, "--zero_stage", 2, "--lora_dim", 8, "--only_optimize_lora",
+                         "--learning_rate", 1e-3, env=OMP))
+    assert "eval after epoch 1" in proc.stdout
+
+    # the model main() started from: same seed, same construction
+    set_random_seed(1234)
+    initial = create_critic_model("tiny-opt", load_hf_tokenizer("tiny-opt"), None, 1).state_dict()
+    saved = load_file(str(out / "model.safetensors"))
+    assert set(saved) == set(initial)
+    assert not torch.equal(saved["v_head.weight"], initial["v_head.weight"])  # v_head trained
+    lora_layer = "rwtransformer.decoder.layers.0.fc1.weight"
+    assert not torch.equal(saved[lora_layer], initial[lora_layer])  # LoRA update fused in
+    for frozen in ("rwtransformer.decoder.embed_tokens.weight", "rwtransformer.decoder.layers.0.fc1.bias"):
+        assert torch.equal(saved[frozen], initial[frozen]), frozen
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _bad_rows(n):
+    rows = []
+    for i in range(n):
+        prompt = f" Human: Say {i}. Assistant:"
+        rows.append({"prompt": prompt, "chosen": f" {i}", "rejected": f" {i}"} if i % 2 else
+                    {"prompt": prompt, "chosen": f" {i}", "rejected": ""})
+    return rows
+
+
+@pytest.mark.slow
+def test_no_usable_pairs_is_a_clear_error(tmp_path):
+    data = _write_jsonl(tmp_path / "bad.jsonl", _bad_rows(40))
+    proc = run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", data, "--data_split", "0,1,0",
+                     "--data_output_path", tmp_path / "data", "--output_dir", tmp_path / "rm", env=OMP)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("error:") and "no usable rows for phase 2" in err and "tokenise identically" in err
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_some_bad_pairs_are_skipped_and_counted(tmp_path):
+    rows = generate(60, seed=7) + _bad_rows(20)
+    data = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    proc = _ok(run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", data, "--data_split", "0,1,0",
+                         "--data_output_path", tmp_path / "data", "--output_dir", tmp_path / "rm",
+                         "--per_device_train_batch_size", 8, "--max_seq_len", 64, "--max_steps", 1,
+                         "--eval_iters", 1, env=OMP))
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("data: phase 2")]
+    assert skipped, proc.stdout[-2000:]
+    counts = {}
+    for line in skipped:  # "data: phase 2 train: kept K rows, skipped N × reason, M × reason"
+        for part in line.split("skipped ", 1)[1].split(", "):
+            n, reason = part.split(" × ")
+            counts[reason] = counts.get(reason, 0) + int(n)
+    assert counts == {"chosen and rejected tokenise identically": 10, "empty chosen or rejected answer": 10}

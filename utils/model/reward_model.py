@@ -1,0 +1,142 @@
+"""The reward model of step 2 (and the critic / reward models of step 3).
+
+:class:`RewardModel` = a Hugging Face backbone without LM head (``AutoModel``) +
+``v_head: Linear(d, 1, bias=False)`` (``d`` = ``word_embed_proj_dim`` for OPT, else
+``hidden_size``), giving one scalar per token: ``r_t = v_head(h_t)``.
+
+* ``forward(input_ids, attention_mask)`` on a step-2 batch ``[chosen_1..B; rejected_1..B]``
+  (2B rows) returns ``{"loss", "chosen_mean_scores", "rejected_mean_scores"}`` with
+  DeepSpeed-Chat's pairwise loss (:func:`utils.rl_math.pairwise_reward_loss`). There a
+  sequence's score is read at ``c − 1``, ``c`` = its pad-id token number
+  ``num_padding_at_beginning`` (0-based; OPT's leading BOS = pad is skipped with 1).
+* ``forward_value(input_ids, attention_mask, prompt_length=P)`` returns per-token
+  ``values [B, T]`` and ``chosen_end_scores [B]`` (see :func:`end_score_index`): the
+  value at the **last token before the first pad-or-EOS token after the prompt**, or at
+  the last position when there is none (the answer hit the length limit). For OPT-style
+  tokenizers (pad = eos) this is exactly where ``forward`` reads a score; with a distinct
+  pad token (Llama) ``forward`` reads at the EOS itself (the reference's rule) while
+  ``forward_value`` reads at the token before it. Both positions lie inside the span the
+  pairwise loss trains, so both rank answers.
+
+Building, saving and loading (strictly) a step-2 folder: :mod:`utils.model.critic`.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import nn
+
+from utils.rl_math import pairwise_reward_loss
+
+
+# --------------------------------------------------------------------------- scores
+
+def end_score_index(input_ids: torch.Tensor, prompt_length: Union[int, torch.Tensor], pad_token_id: int,
+                    eos_token_id: int, num_padding_at_beginning: int = 0) -> torch.Tensor:
+    """Position of each sequence's end score: the token before the first pad-or-EOS after the prompt.
+
+    The search starts at ``prompt_length`` (or, when it is 0, at
+    ``num_padding_at_beginning``, so an OPT leading BOS = pad is not taken for the end).
+    A sequence without pad/EOS there ends at ``T − 1``; an empty answer (EOS right after
+    the prompt) gives the last prompt position. Always in ``[0, T−1]``.
+
+    Args:
+        input_ids: ``[B, T]`` prompt + answer (+ EOS, + right padding).
+        prompt_length: ``P``, an int or a ``[B]`` tensor (one per row).
+        pad_token_id, eos_token_id: the tokenizer's ids (may be equal).
+        num_padding_at_beginning: leading pad-id tokens (1 for OPT, else 0).
+
+    Returns:
+        ``[B]`` long positions.
+    """
+    B, T = input_ids.shape
+    start = torch.as_tensor(prompt_length, device=input_ids.device).long().expand(B)
+    start = torch.where(start > 0, start, torch.full_like(start, num_padding_at_beginning))
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    is_end = ((input_ids == pad_token_id) | (input_ids == eos_token_id)) & (positions >= start[:, None])
+    first_end = torch.where(is_end, positions, torch.full_like(positions, T)).min(dim=1).values
+    return (first_end - 1).clamp(min=0)
+
+
+def count_leading_pads(ids: torch.Tensor, pad_token_id: int) -> int:
+    """Number of ``pad_token_id`` tokens a 1-D sequence starts with (OPT: its BOS = pad)."""
+    not_pad = (ids != pad_token_id).nonzero()
+    return int(not_pad[0]) if len(not_pad) else len(ids)
+
+
+# --------------------------------------------------------------------------- model
+
+def value_head_dim(config) -> int:
+    """Input size of ``v_head``: OPT projects to ``word_embed_proj_dim``; others use the hidden size."""
+    for key in ("word_embed_proj_dim", "hidden_size", "n_embd", "d_model"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    raise ValueError(f"cannot find the hidden size of {type(config).__name__}")
+
+
+class RewardModel(nn.Module):
+    """Backbone (no LM head) + bias-free scalar ``v_head``. See the module docstring."""
+
+    def __init__(self, base_model: nn.Module, tokenizer, num_padding_at_beginning: int = 0,
+                 compute_fp32_loss: bool = False):
+        super().__init__()
+        self.config = base_model.config
+        self.num_padding_at_beginning = num_padding_at_beginning
+        self.v_head = nn.Linear(value_head_dim(self.config), 1, bias=False)
+        self.rwtransformer = base_model
+        self.PAD_ID = tokenizer.pad_token_id
+        self.EOS_ID = tokenizer.eos_token_id
+        self.compute_fp32_loss = compute_fp32_loss
+
+    # gradient checkpointing is the backbone's (transformers ≥ 5 calls it "activation checkpointing")
+    def gradient_checkpointing_enable(self, **kwargs):
+        backbone = self.rwtransformer
+        getattr(backbone, "activation_checkpointing_enable", backbone.gradient_checkpointing_enable)(**kwargs)
+
+    def gradient_checkpointing_disable(self):
+        backbone = self.rwtransformer
+        getattr(backbone, "activation_checkpointing_disable", backbone.gradient_checkpointing_disable)()
+
+    def _values(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None, head_mask=None,
+                inputs_embeds=None, use_cache=False) -> torch.Tensor:
+        """``[B, T]`` per-token values ``v_head(h_t)``."""
+        kwargs = dict(attention_mask=attention_mask, use_cache=use_cache)
+        for name, value in (("past_key_values", past_key_values), ("position_ids", position_ids),
+                            ("head_mask", head_mask), ("inputs_embeds", inputs_embeds)):
+            if value is not None:
+                kwargs[name] = value
+        hidden = self.rwtransformer(input_ids, **kwargs)[0]
+        values = self.v_head(hidden).squeeze(-1)
+        return values.float() if self.compute_fp32_loss else values
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
+                head_mask=None, inputs_embeds=None, use_cache=False):
+        """Pairwise loss on ``[chosen; rejected]`` (``input_ids`` ``[2B, T]``).
+
+        Returns ``{"loss": scalar, "chosen_mean_scores": [B], "rejected_mean_scores": [B]}``.
+        """
+        if input_ids.shape[0] % 2:
+            raise ValueError(f"RewardModel.forward needs [chosen; rejected] rows, got {input_ids.shape[0]} rows")
+        rewards = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
+                               inputs_embeds, use_cache)
+        B = input_ids.shape[0] // 2
+        loss, chosen, rejected = pairwise_reward_loss(rewards[:B], rewards[B:], input_ids[:B], input_ids[B:],
+                                                      self.PAD_ID, self.num_padding_at_beginning)
+        return {"loss": loss, "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
+
+    def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
+                      head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,
+                      use_cache=False):
+        """Per-token values ``[B, T]``; unless ``return_value_only``, also the end scores.
+
+        Returns ``values`` or ``{"values": [B, T], "chosen_end_scores": [B]}`` with the end
+        score at :func:`end_score_index` (``prompt_length``: int or ``[B]`` tensor).
+        """
+        values = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
+                              inputs_embeds, use_cache)
+        if return_value_only:
+            return values
+        index = end_score_index(input_ids, prompt_length, self.PAD_ID, self.EOS_ID, self.num_padding_at_beginning)
+        return {"values": values, "chosen_end_scores": values.gather(1, index[:, None]).squeeze(1)}
