@@ -6,7 +6,9 @@
 
 parse → distributed/DeepSpeed config → tokenizer/model (+LoRA) → data → optimizer/
 scheduler → ``deepspeed.initialize`` → perplexity before training → train, with
-perplexity after every epoch → save an HF folder.
+perplexity after every epoch → save an HF folder. With ``--save_interval`` a resumable
+checkpoint is written every N optimizer steps; rerunning the command resumes from it
+(:mod:`utils.checkpoint`).
 """
 import argparse
 import math
@@ -18,8 +20,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (add_data_args, add_deepspeed_args, add_logging_args, add_lora_args,  # noqa: E402
-                             add_model_args, add_training_args, validate_common)
+from utils.arguments import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
+                             add_lora_args, add_model_args, add_training_args, validate_common)
 from utils.utils import run_main  # noqa: E402
 
 
@@ -31,6 +33,7 @@ def parse_args(argv=None):
     add_lora_args(parser)
     add_deepspeed_args(parser)
     add_logging_args(parser, tensorboard_path="step1_tensorboard")
+    add_checkpoint_args(parser)
     return parser.parse_args(argv)
 
 
@@ -63,10 +66,11 @@ def main(args):
         check_data_sources(list(args.data_path) + list(args.sft_only_data_path), args.data_output_path, args.seed)
 
     import deepspeed
-    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+    from torch.utils.data import DataLoader, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    from utils.checkpoint import CheckpointManager, resumable_loader
     from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset
     from utils.errors import check_finite
     from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
@@ -108,9 +112,7 @@ def main(args):
         sft_only_data_path=args.sft_only_data_path, log=log.info)
     distributed = get_world_size() > 1
     collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len)
-    train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
-                              sampler=DistributedSampler(train_dataset, seed=args.seed) if distributed
-                              else RandomSampler(train_dataset, generator=torch.Generator().manual_seed(args.seed)))
+    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
                              else SequentialSampler(eval_dataset))
@@ -129,18 +131,35 @@ def main(args):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
 
+    # ---- resume (automatic when --output_dir holds a valid checkpoint)
+    ckpt = CheckpointManager.from_args(args, log, config_keys=(
+        "model_name_or_path", "data_path", "data_split", "sft_only_data_path", "seed", "max_seq_len",
+        "per_device_train_batch_size", "gradient_accumulation_steps", "zero_stage", "lora_dim", "dtype"))
+    resumed = ckpt.resume({"model": model})
+    step, start_epoch, skip_batches = 0, 0, 0
+
+    def finished() -> bool:
+        return bool(args.max_steps) and step >= args.max_steps
+
     # ---- train
     log.info(f"***** Running training: {len(train_dataset)} samples, {total_steps} optimizer steps *****")
-    ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
-    log.info(f"ppl before training: {ppl:.4f}, loss: {eval_loss:.4f}")
-    log.scalars(0, "eval", perplexity=ppl, loss=eval_loss)
-    first_ppl, step = ppl, 0
-    for epoch in range(args.num_train_epochs):
-        if distributed:
-            train_loader.sampler.set_epoch(epoch)
+    if resumed:
+        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
+        first_ppl = ppl = resumed["first_ppl"]
+        eval_loss = math.log(ppl)
+    else:
+        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
+        log.info(f"ppl before training: {ppl:.4f}, loss: {eval_loss:.4f}")
+        log.scalars(0, "eval", perplexity=ppl, loss=eval_loss)
+        first_ppl = ppl
+    for epoch in range(start_epoch, args.num_train_epochs):
+        skip = skip_batches if epoch == start_epoch else 0
+        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
         log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
-        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step1 epoch {epoch + 1}")):
+        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step1 epoch {epoch + 1}"), start=skip):
+            if finished():
+                break
             start = time.time()
             batch = to_device(batch, device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
@@ -158,12 +177,12 @@ def main(args):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          args.per_device_train_batch_size, batch["input_ids"].shape[1],
                                          get_world_size(), args.gradient_checkpointing))
-            if args.max_steps and step >= args.max_steps:
-                break
+            ckpt.step_done(step, {"model": model},
+                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_ppl": first_ppl})
         ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
         log.info(f"ppl after epoch {epoch + 1}: {ppl:.4f}, loss: {eval_loss:.4f}")
         log.scalars(step, "eval", perplexity=ppl, loss=eval_loss)
-        if args.max_steps and step >= args.max_steps:
+        if finished():
             break
     log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
 

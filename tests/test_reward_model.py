@@ -32,12 +32,15 @@ def test_end_index_without_eos_is_last_position():
     assert end_score_index(ids, 3, PAD, EOS, 1).tolist() == [5]
 
 
-def test_end_index_llama_style_stops_before_eos_or_pad():
+def test_end_index_llama_style_reads_the_eos_like_step_2():
+    # pad != eos: the first pad after the prompt is the one after the EOS, so the end score
+    # sits ON the EOS -- exactly where step 2's pairwise loss reads it (c - 1).
     pad, eos = 0, 2
-    ids = torch.tensor([[1, 5, 6, 7, 8, 2, 0, 0],   # EOS then pads: the token before the EOS
-                        [1, 5, 6, 7, 0, 0, 0, 0],   # no EOS, padded: the last real token
-                        [1, 5, 6, 2, 0, 0, 0, 0]])  # empty answer: the last prompt token
-    assert end_score_index(ids, 3, pad, eos, 0).tolist() == [4, 3, 2]
+    ids = torch.tensor([[1, 5, 6, 7, 8, 2, 0, 0],   # EOS at 5, first pad at 6 -> 5
+                        [1, 5, 6, 7, 0, 0, 0, 0],   # no EOS, first pad at 4 -> the last real token 3
+                        [1, 5, 6, 2, 0, 0, 0, 0],   # empty answer: EOS at 3, first pad at 4 -> 3
+                        [1, 5, 6, 7, 8, 9, 9, 9]])  # no pad at all -> T - 1 = 7
+    assert end_score_index(ids, 3, pad, eos, 0).tolist() == [5, 3, 3, 7]
 
 
 def test_end_index_left_padded_prompt():
@@ -109,7 +112,7 @@ def test_forward_value_padding_does_not_change_scores(opt):
     assert torch.allclose(no_eos["chosen_end_scores"], no_eos["values"][:, -1])
 
 
-def test_forward_llama_reads_eos_forward_value_reads_token_before():
+def test_forward_and_forward_value_read_the_same_position_llama():
     torch.manual_seed(0)
     tok = load_hf_tokenizer("tiny-llama")
     model = create_critic_model("tiny-llama", tok, None, num_padding_at_beginning=0).eval()
@@ -124,7 +127,8 @@ def test_forward_llama_reads_eos_forward_value_reads_token_before():
     r_eos = int((ids[1] == tok.eos_token_id).nonzero()[0])
     assert torch.allclose(out["chosen_mean_scores"], values[0, c_eos:c_eos + 1])  # reference rule: at the EOS
     assert torch.allclose(out["rejected_mean_scores"], values[1, r_eos:r_eos + 1])
-    assert torch.allclose(end, torch.stack([values[0, c_eos - 1], values[1, r_eos - 1]]))  # token before EOS
+    # forward_value (step 3's reward) reads the same position as step 2's training
+    assert torch.allclose(end, torch.stack([values[0, c_eos], values[1, r_eos]]))
 
 
 # --------------------------------------------------------------------------- folders

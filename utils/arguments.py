@@ -94,6 +94,41 @@ def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str):
     return g
 
 
+def add_checkpoint_args(parser: argparse.ArgumentParser, unit: str = "optimizer steps"):
+    """Resumable checkpoints under ``<output_dir>/checkpoints`` (:mod:`utils.checkpoint`).
+
+    Resume is automatic: rerunning a command whose ``--output_dir`` holds a valid
+    checkpoint continues from it. ``--resume`` makes "no checkpoint" an error.
+    """
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save_interval", type=int, default=0,
+                   help=f"Save a resumable checkpoint every this many {unit} into <output_dir>/checkpoints "
+                        "(0 = none). Rerunning the same command resumes from the newest valid one.")
+    g.add_argument("--resume", action="store_true",
+                   help="Require resuming from a checkpoint in <output_dir>/checkpoints (an error if there is "
+                        "none). Without it, a valid checkpoint is still resumed from automatically.")
+    g.add_argument("--max_checkpoints", type=int, default=2, help="Keep only the newest this many checkpoints.")
+    return g
+
+
+def validate_checkpoint_args(args) -> None:
+    """``--save_interval`` ≥ 0, ``--max_checkpoints`` ≥ 1; ``--resume`` needs a checkpoint folder to exist."""
+    import os
+    import re
+
+    from utils.errors import UserInputError
+
+    if args.save_interval < 0:
+        raise UserInputError(f"--save_interval must be ≥ 0 (0 = no checkpoints), got {args.save_interval}")
+    if args.max_checkpoints < 1:
+        raise UserInputError(f"--max_checkpoints must be ≥ 1, got {args.max_checkpoints}")
+    if args.resume:
+        root = os.path.join(args.output_dir or "", "checkpoints")
+        names = os.listdir(root) if args.output_dir and os.path.isdir(root) else []
+        if not any(re.match(r"^step-\d{8}$", n) for n in names):
+            raise UserInputError(f"--resume: no checkpoint in {root} (drop --resume to start a fresh run)")
+
+
 def validate_common(args) -> None:
     """Checks every step shares: a clear error instead of a crash deep inside DeepSpeed."""
     from utils.data.split import parse_data_split
@@ -110,6 +145,8 @@ def validate_common(args) -> None:
         raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
     if getattr(args, "output_dir", "x") is None:
         raise UserInputError("--output_dir is required")
+    if hasattr(args, "save_interval"):
+        validate_checkpoint_args(args)
 
 
 def add_rlhf_role_args(parser: argparse.ArgumentParser, role: str, learning_rate: float):

@@ -4,21 +4,45 @@ Layout under ``<output_dir>/checkpoints/``::
 
     step-00000040/
         actor/ critic/ ...      engine.save_checkpoint(): model, optimizer, scheduler, loss scaler
-        rng-rank0.pt …          per rank: python / numpy / torch (/ accelerator) RNG states
-        trainer_state.pt        rank 0: epoch, step, data-loader position, extra (EMA reward, …)
+        rng-rank0.pt …          per rank: python / numpy / torch (/ cuda) RNG states
+        trainer_state.pt        rank 0: step, epoch, data-loader position, run config, extra (EMA reward, …)
         MANIFEST.json           written last: size and sha256 of every other file
-    latest                      names the newest complete checkpoint
+    latest                      names the newest complete checkpoint (informational)
 
 A checkpoint is written into ``.tmp-step-N`` and renamed into place only when
-every rank has finished and the manifest is written and fsynced, so "latest"
-always names a complete checkpoint. Loading walks the checkpoints newest first;
-one whose manifest is missing or does not match the files is skipped with a
-message, falling back to the previous one. Only the newest ``max_checkpoints``
-are kept.
+every rank has finished and the manifest is written and fsynced, so a folder
+named ``step-N`` is always complete. Loading walks the checkpoints newest first;
+one whose manifest is missing or does not match its files is reported, renamed to
+``step-N.corrupt`` (kept for inspection, out of the rotation) and skipped, falling
+back to the previous one. Only the newest ``max_checkpoints`` are kept.
 
-Our own files are loaded with ``torch.load(weights_only=True)`` (no arbitrary
-unpickling). DeepSpeed's engine files are DeepSpeed's format; they are loaded
-only after their hashes match the manifest we wrote.
+The entry points use :class:`CheckpointManager` through three calls::
+
+    ckpt = CheckpointManager.from_args(args, log, config_keys=("seed", ...))  # --save_interval, --resume, …
+    state = ckpt.resume({"actor": actor_engine, ...})   # None for a fresh run, else the trainer state
+    ...                                   # after each optimizer step, once loss/reward passed check_finite:
+    ckpt.step_done(step, engines, lambda: {"epoch": ..., "batches_in_epoch": ..., ...})
+
+Resume is automatic: rerunning the same command picks up the newest valid checkpoint
+in ``--output_dir``; ``--resume`` makes "no checkpoint" an error. ``config_keys`` name
+the arguments that must not change between the interrupted and the resumed run (batch
+sizes, seed, data, ZeRO stage…; the world size is always checked); a mismatch is a
+:class:`UserInputError`. If every checkpoint is corrupt, a run without ``--resume``
+starts from scratch (after the messages).
+
+Data-loader position: :class:`EpochSampler` orders an epoch as a pure function of
+(seed, epoch) and can skip the batches already consumed, so a resumed run sees exactly
+the batches the uninterrupted run would have seen.
+
+Security: our own files are loaded with ``torch.load(weights_only=True)`` (no arbitrary
+unpickling). DeepSpeed's engine files are DeepSpeed's format and DeepSpeed unpickles
+them (``weights_only=False``); they are loaded only after their sizes and sha256 match
+the manifest. That detects corruption and truncation, not tampering: whoever can write
+the checkpoint folder can rewrite the manifest too, so only resume from folders you trust.
+
+Test-only fault hook (read only here): ``DSCHAT_TEST_KILL_AT_STEP=N`` makes the process
+SIGKILL itself right after optimizer step N (after any checkpoint of that step), to
+test resuming from a hard crash.
 """
 from __future__ import annotations
 
@@ -28,15 +52,20 @@ import os
 import random
 import re
 import shutil
+import signal
+import sys
 from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
-from utils.utils import barrier, get_rank, is_rank_0
+from utils.errors import UserInputError
+from utils.utils import barrier, get_rank, get_world_size, is_rank_0
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
+KILL_AT_STEP_ENV = "DSCHAT_TEST_KILL_AT_STEP"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -66,6 +95,46 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# --------------------------------------------------------------------------- data position
+
+class EpochSampler(DistributedSampler):
+    """A :class:`DistributedSampler` (also for one rank) that can skip the start of an epoch.
+
+    The order of epoch ``e`` is a pure function of ``(seed, e)`` (and the rank / world
+    size). ``set_epoch(e, skip_batches=k, batch_size=b)`` drops this rank's first ``k·b``
+    indices of epoch ``e`` — the micro-batches an interrupted run already trained on.
+    """
+
+    def __init__(self, dataset, seed: int, shuffle: bool = True, drop_last: bool = False):
+        super().__init__(dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0, batch_size: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = min(skip_batches * batch_size, self.num_samples)
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def resumable_loader(dataset, batch_size: int, seed: int, **kwargs):
+    """A training DataLoader whose position a checkpoint can restore (see :class:`EpochSampler`).
+
+    It gets its own generator, so creating its iterator does not draw from the global
+    torch RNG (which dropout uses): a resumed run's RNG stream matches the uninterrupted one.
+    """
+    from torch.utils.data import DataLoader
+
+    drop_last = kwargs.pop("drop_last", False)
+    return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
+                      sampler=EpochSampler(dataset, seed, drop_last=False),
+                      generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
 # --------------------------------------------------------------------------- files
 
 def _sha256(path: str) -> str:
@@ -85,39 +154,9 @@ def _files(root: str):
                 yield rel, path
 
 
-def write_manifest(root: str) -> None:
-    manifest = {rel: {"size": os.path.getsize(path), "sha256": _sha256(path)} for rel, path in _files(root)}
-    tmp = os.path.join(root, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MANIFEST))
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                os.fsync(fh.fileno())
-
-
-def verify_manifest(root: str) -> Optional[str]:
-    """``None`` when every file matches the manifest, else what is wrong."""
-    path = os.path.join(root, MANIFEST)
-    if not os.path.isfile(path):
-        return "no manifest (incomplete checkpoint)"
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"unreadable manifest ({e})"
-    present = dict(_files(root))
-    for rel, meta in manifest.items():
-        if rel not in present:
-            return f"missing file {rel}"
-        if os.path.getsize(present[rel]) != meta["size"]:
-            return f"size mismatch in {rel}"
-        if _sha256(present[rel]) != meta["sha256"]:
-            return f"checksum mismatch in {rel}"
-    return None
 
 
 def _fsync_dir(path: str) -> None:
@@ -128,48 +167,158 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_manifest(root: str) -> None:
+    """fsync every file under ``root``, then write ``MANIFEST.json`` (size + sha256 of each) atomically."""
+    manifest = {}
+    for rel, path in _files(root):
+        _fsync_file(path)
+        manifest[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    for dirpath, _, _ in os.walk(root):
+        _fsync_dir(dirpath)
+    tmp = os.path.join(root, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, MANIFEST))
+    _fsync_dir(root)
+
+
+def verify_manifest(root: str) -> Optional[str]:
+    """``None`` when every file matches the manifest, else what is wrong."""
+    path = os.path.join(root, MANIFEST)
+    if not os.path.isfile(path):
+        return "no manifest (incomplete checkpoint)"
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        present = dict(_files(root))
+        for rel, meta in manifest.items():
+            if rel not in present:
+                return f"missing file {rel}"
+            if os.path.getsize(present[rel]) != meta["size"]:
+                return f"size mismatch in {rel}"
+            if _sha256(present[rel]) != meta["sha256"]:
+                return f"checksum mismatch in {rel}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable manifest ({e})"
+    if STATE not in manifest:
+        return f"no {STATE} in the manifest"
+    return None
+
+
+def _broadcast(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+def kill_point(step: int) -> None:
+    """Test-only: SIGKILL this process after optimizer step ``$DSCHAT_TEST_KILL_AT_STEP``."""
+    if os.environ.get(KILL_AT_STEP_ENV) == str(step):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- manager
 
 class CheckpointManager:
-    """Save / find / load resumable checkpoints of several DeepSpeed engines under one folder."""
+    """Save / find / load resumable checkpoints of several DeepSpeed engines under ``<output_dir>/checkpoints``."""
 
-    def __init__(self, output_dir: str, max_checkpoints: int = 2, log: Callable[[str], None] = print):
+    def __init__(self, output_dir: str, max_checkpoints: int = 2, log: Callable[[str], None] = print,
+                 save_interval: int = 0, require_resume: bool = False, config: Optional[dict] = None,
+                 warn: Optional[Callable[[str], None]] = None):
         self.root = os.path.join(output_dir, "checkpoints")
         self.max_checkpoints = max(1, max_checkpoints)
         self.log = log
+        self.warn = warn or (lambda msg: log(f"warning: {msg}"))
+        self.save_interval = save_interval
+        self.require_resume = require_resume
+        self.config = dict(config or {})
+
+    @classmethod
+    def from_args(cls, args, log, config_keys=()) -> "CheckpointManager":
+        """From ``--output_dir``, ``--save_interval``, ``--max_checkpoints``, ``--resume``.
+
+        ``log``: a :class:`~utils.logger.TrainLogger`. ``config_keys``: names of ``args``
+        that must be equal in the interrupted and the resumed run (the world size is
+        always checked).
+        """
+        config = {key: getattr(args, key) for key in config_keys}
+        config["world_size"] = get_world_size()
+        return cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
+                   require_resume=args.resume, config=config, warn=log.warning)
+
+    # ------------------------------------------------------------------ listing
 
     def checkpoints(self):
-        """Complete-looking checkpoint folders, newest first."""
+        """Checkpoint folders (complete by construction, maybe corrupted since), newest first."""
         if not os.path.isdir(self.root):
             return []
         names = sorted((n for n in os.listdir(self.root) if _NAME.match(n)), reverse=True)
         return [os.path.join(self.root, n) for n in names]
 
+    def find_valid(self) -> Optional[str]:
+        """The newest checkpoint whose files match its manifest (rank 0 decides, every rank gets the answer).
+
+        Corrupt ones are reported and renamed ``step-N.corrupt`` (out of the rotation).
+        """
+        path = None
+        if is_rank_0():
+            for candidate in self.checkpoints():
+                problem = verify_manifest(candidate)
+                if problem is None:
+                    path = candidate
+                    break
+                self.warn(f"checkpoint {candidate} is unusable ({problem}); moved to "
+                         f"{os.path.basename(candidate)}.corrupt, falling back to an older checkpoint")
+                shutil.rmtree(candidate + ".corrupt", ignore_errors=True)
+                os.replace(candidate, candidate + ".corrupt")
+        return _broadcast(path)
+
+    # ------------------------------------------------------------------ save
+
     def save(self, step: int, engines: Dict[str, object], trainer_state: dict) -> str:
-        """Collective: every rank calls it. Returns the final checkpoint folder."""
+        """Collective: every rank calls it. Returns the final checkpoint folder.
+
+        A failed write (disk full, read-only folder) removes the partial folder and raises
+        :class:`UserInputError`; the previous checkpoints are untouched.
+        """
         name = f"step-{step:08d}"
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".tmp-{name}")
-        if is_rank_0():
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier()
-        for engine_name, engine in engines.items():
-            engine.save_checkpoint(os.path.join(tmp, engine_name), tag="state", save_latest=False)
-        torch.save(rng_state(), os.path.join(tmp, f"rng-rank{get_rank()}.pt"))
-        if is_rank_0():
-            torch.save(dict(trainer_state, step=step), os.path.join(tmp, STATE))
-        barrier()
-        if is_rank_0():
-            write_manifest(tmp)
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._write_latest(name)
-            _fsync_dir(self.root)
-            for old in self.checkpoints()[self.max_checkpoints:]:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            if is_rank_0():
+                os.makedirs(self.root, exist_ok=True)
+                for stale in os.listdir(self.root):  # left by a run killed while saving
+                    if stale.startswith(".tmp-"):
+                        shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
+                os.makedirs(tmp)
+            barrier()
+            for engine_name, engine in engines.items():
+                engine.save_checkpoint(os.path.join(tmp, engine_name), tag="state", save_latest=False)
+            torch.save(rng_state(), os.path.join(tmp, f"rng-rank{get_rank()}.pt"))
+            if is_rank_0():
+                torch.save(dict(trainer_state, step=step, config=self.config), os.path.join(tmp, STATE))
+            barrier()
+            if is_rank_0():
+                write_manifest(tmp)
+                if os.path.isdir(final):
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                self._write_latest(name)
+                _fsync_dir(self.root)
+                for old in self.checkpoints()[self.max_checkpoints:]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            if is_rank_0():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise UserInputError(f"cannot write checkpoint {final}: {e.strerror or e} (the previous "
+                                 "checkpoints are kept; free some space or choose another --output_dir)") from e
         barrier()
         return final
 
@@ -181,27 +330,48 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.root, "latest"))
 
-    def find_valid(self) -> Optional[str]:
-        """The newest checkpoint whose files match its manifest; corrupt ones are reported and skipped."""
-        for path in self.checkpoints():
-            problem = verify_manifest(path)
-            if problem is None:
-                return path
-            self.log(f"checkpoint {path} is unusable ({problem}); falling back to an older one")
-        return None
+    def step_done(self, step: int, engines: Dict[str, object], trainer_state: Callable[[], dict]) -> None:
+        """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
+        ``--save_interval`` steps, then the test-only kill hook."""
+        if self.save_interval > 0 and step % self.save_interval == 0:
+            path = self.save(step, engines, trainer_state())
+            self.log(f"saved checkpoint {path}")
+        kill_point(step)
+
+    # ------------------------------------------------------------------ load
+
+    def _check_config(self, path: str, saved: dict) -> None:
+        diffs = [f"{key}: checkpoint {saved.get(key)!r}, now {value!r}"
+                 for key, value in self.config.items() if saved.get(key) != value]
+        if diffs:
+            raise UserInputError(f"checkpoint {path} comes from a different run configuration ({'; '.join(diffs)}); "
+                                 f"rerun with the same settings, or use a new --output_dir (or delete {self.root}) "
+                                 "to start over")
 
     def load(self, engines: Dict[str, object], path: Optional[str] = None) -> Optional[dict]:
         """Load the newest valid checkpoint into ``engines`` (collective); returns the trainer state or None."""
         path = path or self.find_valid()
         if path is None:
             return None
+        state = torch.load(os.path.join(path, STATE), weights_only=True)
+        self._check_config(path, state.get("config", {}))
         for engine_name, engine in engines.items():
             load_path, _ = engine.load_checkpoint(os.path.join(path, engine_name), tag="state")
             if load_path is None:
                 raise RuntimeError(f"DeepSpeed could not load {engine_name} from {path}")
         rng_file = os.path.join(path, f"rng-rank{get_rank()}.pt")
-        if os.path.isfile(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        state = torch.load(os.path.join(path, STATE), weights_only=True)
+        if not os.path.isfile(rng_file):
+            raise UserInputError(f"checkpoint {path} has no RNG state for rank {get_rank()} (saved with fewer ranks)")
+        set_rng_state(torch.load(rng_file, weights_only=True))
         self.log(f"resumed from {path} (step {state['step']})")
+        return state
+
+    def resume(self, engines: Dict[str, object]) -> Optional[dict]:
+        """Automatic resume: the trainer state of the newest valid checkpoint, or None for a fresh start.
+
+        ``--resume`` makes "no usable checkpoint" an error instead of a fresh start.
+        """
+        state = self.load(engines)
+        if state is None and self.require_resume:
+            raise UserInputError(f"--resume: no usable checkpoint in {self.root} (drop --resume to start a fresh run)")
         return state

@@ -144,7 +144,18 @@ def gather_full_state_dict(model, zero_stage: int = 0) -> dict:
     if zero_stage == 3:
         import deepspeed
 
-        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        # the keys of state_dict(), tied weights (lm_head.weight = embed_tokens.weight) included,
+        # so a ZeRO-3 save has exactly the names and shapes of a ZeRO-0/1/2 save
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        first = {}  # id(tensor) -> its first name: a tied tensor is gathered once
+        for name in model.state_dict().keys():
+            tensor = tensors[name]
+            if id(tensor) in first:
+                if is_rank_0():
+                    state[name] = state[first[id(tensor)]].clone()
+                continue
+            first[id(tensor)] = name
             params = [tensor] if hasattr(tensor, "ds_id") else []
             with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
                 if is_rank_0():

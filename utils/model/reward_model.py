@@ -34,12 +34,17 @@ from utils.rl_math import pairwise_reward_loss
 
 def end_score_index(input_ids: torch.Tensor, prompt_length: Union[int, torch.Tensor], pad_token_id: int,
                     eos_token_id: int, num_padding_at_beginning: int = 0) -> torch.Tensor:
-    """Position of each sequence's end score: the token before the first pad-or-EOS after the prompt.
+    """Position of each sequence's end score: the token before the first pad after the prompt.
+
+    This is the position step 2's pairwise loss reads (``c − 1``), so training and
+    scoring agree for every tokenizer: with pad = eos (OPT) it is the last token
+    before the EOS; with a separate pad (Llama) it is the EOS itself.
 
     The search starts at ``prompt_length`` (or, when it is 0, at
     ``num_padding_at_beginning``, so an OPT leading BOS = pad is not taken for the end).
-    A sequence without pad/EOS there ends at ``T − 1``; an empty answer (EOS right after
-    the prompt) gives the last prompt position. Always in ``[0, T−1]``.
+    A sequence without padding there ends at ``T − 1``; an empty answer (pad right after
+    the prompt) gives the last prompt position. ``eos_token_id`` is kept for callers'
+    symmetry; only the pad id decides. Always in ``[0, T−1]``.
 
     Args:
         input_ids: ``[B, T]`` prompt + answer (+ EOS, + right padding).
@@ -54,7 +59,7 @@ def end_score_index(input_ids: torch.Tensor, prompt_length: Union[int, torch.Ten
     start = torch.as_tensor(prompt_length, device=input_ids.device).long().expand(B)
     start = torch.where(start > 0, start, torch.full_like(start, num_padding_at_beginning))
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    is_end = ((input_ids == pad_token_id) | (input_ids == eos_token_id)) & (positions >= start[:, None])
+    is_end = (input_ids == pad_token_id) & (positions >= start[:, None])
     first_end = torch.where(is_end, positions, torch.full_like(positions, T)).min(dim=1).values
     return (first_end - 1).clamp(min=0)
 
