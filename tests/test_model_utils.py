@@ -62,17 +62,19 @@ def test_create_hf_model_resizes_to_multiple_of_8_and_applies_dropout(opt_dir):
     from transformers import AutoModelForCausalLM
 
     tok = mu.load_hf_tokenizer(opt_dir)
-    assert len(tok) == 670
-    tok.add_special_tokens({"additional_special_tokens": [f"<x{i}>" for i in range(5)]})  # 675 tokens
+    n = len(tok)
+    k = (3 - n) % 8 + 8  # n + k = 8m + 3: not a multiple of 8
+    tok.add_special_tokens({"additional_special_tokens": [f"<x{i}>" for i in range(k)]})
+    expected = n + k + 5  # rounded up to the next multiple of 8
     model = mu.create_hf_model(AutoModelForCausalLM, opt_dir, tok, dropout=0.3)
-    assert model.get_input_embeddings().weight.shape[0] == 680
-    assert model.get_output_embeddings().weight.shape[0] == 680
-    assert model.config.vocab_size == 680
+    assert model.get_input_embeddings().weight.shape[0] == expected
+    assert model.get_output_embeddings().weight.shape[0] == expected
+    assert model.config.vocab_size == expected
     assert model.config.dropout == 0.3 and model.config.attention_dropout == 0.3  # the folder has 0.1 and 0.0
     assert model.model.decoder.layers[0].dropout == 0.3
     assert model.config.end_token_id == tok.eos_token_id and model.config.pad_token_id == tok.pad_token_id
     untouched = mu.create_hf_model(AutoModelForCausalLM, opt_dir, mu.load_hf_tokenizer(opt_dir))
-    assert untouched.config.dropout == 0.1 and untouched.get_input_embeddings().weight.shape[0] == 672
+    assert untouched.config.dropout == 0.1 and untouched.get_input_embeddings().weight.shape[0] == (n + 7) // 8 * 8
 
 
 def test_missing_folder_and_folder_without_config(tmp_path):

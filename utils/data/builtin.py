@@ -6,10 +6,13 @@
     chosen   " The lamp is bright and kind and calm."
     rejected " The lamp is dull and bright and rude."
 
-Every answer names the prompt's object and lists three adjectives, each drawn
-from a GOOD or a BAD word list. An answer's quality is its number of good words
-(plus a penalty when it talks about the wrong object); in every pair the chosen
-answer has strictly higher quality than the rejected one. So:
+Every answer names the prompt's object and lists three different adjectives,
+each drawn from a GOOD or a BAD word list. An answer's quality is its number of
+good words, with penalties for talking about the wrong object (a quarter of the
+rejected answers) and for a broken answer — a repeated word, too many words, text
+after the full stop (another 15%: these stop PPO from "hacking" the reward by
+repeating good words). In every pair the chosen answer has strictly higher
+quality than the rejected one. So:
 
 * step 1 learns the answer template (chosen answers are good on average, not
   always perfect: the number of good words varies);
@@ -26,7 +29,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List
 
-VERSION = 1  # bump when the generator changes: it is part of every cache key
+VERSION = 2  # bump when the generator changes: it is part of every cache key
 
 NOUNS = (
     "lamp", "river", "garden", "city", "song", "book", "window", "forest", "teacher", "robot",
@@ -47,16 +50,34 @@ N_ADJECTIVES = 3
 
 
 def _answer(rng: random.Random, noun: str, n_good: int) -> str:
-    words = [rng.choice(GOOD) for _ in range(n_good)] + [rng.choice(BAD) for _ in range(N_ADJECTIVES - n_good)]
+    words = rng.sample(GOOD, n_good) + rng.sample(BAD, N_ADJECTIVES - n_good)  # no word twice
     rng.shuffle(words)
     return f" The {noun} is " + " and ".join(words) + "."
 
 
+def _malformed(rng: random.Random, noun: str) -> str:
+    """All-good words but a broken answer: a repeated word, too many words, or rambling on."""
+    words = rng.sample(GOOD, N_ADJECTIVES)
+    kind = rng.randrange(3)
+    if kind == 0:
+        words[rng.randrange(1, N_ADJECTIVES)] = words[0]
+    elif kind == 1:
+        words += rng.sample([w for w in GOOD if w not in words], rng.randint(1, 3))
+    text = f" The {noun} is " + " and ".join(words) + "."
+    if kind == 2:
+        text += "".join(f" and {w}." for w in rng.sample(GOOD, rng.randint(1, 3)))
+    return text
+
+
 def quality(answer: str, noun: str) -> int:
-    """Number of good words, minus 2 when the answer is about another object."""
-    words = answer.replace(".", " ").split()
-    score = sum(w in GOOD for w in words)
-    return score - (2 if noun not in words else 0)
+    """Good words; −2 for another object; −6 for a broken answer (repeats, ≠ 3 words, text after '.')."""
+    adjectives = [w for w in answer.replace(".", " ").split() if w in GOOD or w in BAD]
+    score = sum(w in GOOD for w in adjectives)
+    if noun not in answer.replace(".", " ").split():
+        score -= 2
+    broken = (len(adjectives) != N_ADJECTIVES or len(set(adjectives)) != len(adjectives)
+              or not answer.endswith(".") or answer.count(".") != 1)
+    return score - (6 if broken else 0)
 
 
 def _row(rng: random.Random) -> Dict[str, str]:
@@ -65,9 +86,12 @@ def _row(rng: random.Random) -> Dict[str, str]:
     good_chosen = rng.randint(1, N_ADJECTIVES)
     good_rejected = rng.randint(0, good_chosen - 1)
     chosen = _answer(rng, noun, good_chosen)
-    if rng.random() < 0.15:  # off-topic rejected answers: the reward must also check the object
+    kind = rng.random()
+    if kind < 0.25:  # off-topic rejected answers: the reward must also check the object
         other = rng.choice([n for n in NOUNS if n != noun])
-        rejected = _answer(rng, other, rng.randint(0, N_ADJECTIVES))
+        rejected = _answer(rng, other, rng.randint(0, min(N_ADJECTIVES, good_chosen + 1)))
+    elif kind < 0.40:  # broken rejected answers: repeating good words must not pay
+        rejected = _malformed(rng, noun)
     else:
         rejected = _answer(rng, noun, good_rejected)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Multi-turn chat with a trained actor (an HF folder from step 1 or step 3).
+
+    python inference/chatbot.py --path output/step3-models/tiny-opt/actor
+    echo "Describe the lamp." | python chat.py --path output/step3-models/tiny-opt
+
+The conversation is kept in DeepSpeed-Chat's training format: every turn appends
+``" Human: {input} Assistant:"`` and then the model's answer, so the model sees
+the whole history (oldest turns are dropped when it would not fit). Type
+``clear`` to forget the history and ``quit`` (or end the input) to leave. When
+stdin is not a terminal there is no prompt text: one ``Assistant: ...`` line is
+printed per question, so the chatbot can be scripted through a pipe.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+TURN = " Human: {text} Assistant:"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).")
+    p.add_argument("--path", required=True,
+                   help="Actor folder: step 1's output, step 3's output (its actor/ is used) or any causal-LM folder.")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens per answer.")
+    p.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
+    p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling threshold (with --do_sample).")
+    p.add_argument("--seed", type=int, default=42, help="Random seed (sampling).")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")
+    return p.parse_args(argv)
+
+
+def actor_folder(path: str) -> str:
+    """``path`` itself, or its ``actor/`` sub-folder (step 3's output layout)."""
+    if not os.path.isfile(os.path.join(path, "config.json")) and \
+            os.path.isfile(os.path.join(path, "actor", "config.json")):
+        return os.path.join(path, "actor")
+    return path
+
+
+class Chatbot:
+    """Keeps the conversation history and generates answers with a causal LM."""
+
+    def __init__(self, path: str, max_new_tokens: int = 128, device: str | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
+
+        folder = resolve_model_name_or_path(actor_folder(path))
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = load_hf_tokenizer(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=os.path.isdir(folder))
+        self.model.to(self.device).eval()
+        self.generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+        if do_sample:
+            self.generate_kwargs.update(temperature=temperature, top_p=top_p)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        self.history = ""
+
+    def clear(self) -> None:
+        self.history = ""
+
+    def _prompt_ids(self, prompt: str):
+        """Token ids of ``prompt``; whole oldest turns are dropped until answer room remains."""
+        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 8)
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        while ids.shape[1] > budget and prompt.find(" Human:", 1) > 0:
+            prompt = prompt[prompt.find(" Human:", 1):]
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        return prompt, ids[:, -budget:]
+
+    def reply(self, text: str) -> str:
+        """Answer ``text`` given the history; the turn and the answer join the history."""
+        import torch
+
+        prompt, ids = self._prompt_ids(self.history + TURN.format(text=text))
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device),
+                                      **self.generate_kwargs)
+        answer = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        answer = answer.split("Human:")[0].rstrip()  # the model may start the next turn itself
+        self.history = prompt + answer
+        return answer.strip()
+
+
+def read_lines(stream, interactive: bool):
+    """User inputs, one per line; a terminal gets a ``Human: `` prompt, a pipe none."""
+    while True:
+        if interactive:
+            try:
+                line = input("Human: ")
+            except EOFError:
+                return
+        else:
+            line = stream.readline()
+            if not line:
+                return
+        yield line.strip()
+
+
+def chat(bot: Chatbot, stream=None, interactive: bool | None = None) -> None:
+    stream = stream or sys.stdin
+    interactive = stream.isatty() if interactive is None else interactive
+    if interactive:
+        print("Type 'clear' to forget the conversation, 'quit' to leave.", flush=True)
+    for text in read_lines(stream, interactive):
+        if text == "quit":
+            break
+        if text == "clear":
+            bot.clear()
+            print("[history cleared]", flush=True)
+            continue
+        if text:
+            print(f"Assistant: {bot.reply(text)}", flush=True)
+
+
+def main(args) -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    transformers.set_seed(args.seed)
+    bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
+    chat(bot)
+
+
+if __name__ == "__main__":
+    from utils.utils import run_main
+
+    run_main(main, parse_args())

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Regenerate README.md's flag tables from the entry points' own argument parsers.
+
+    python scripts/gen_readme_tables.py           # rewrite the tables in README.md
+    python scripts/gen_readme_tables.py --check   # exit 1 when README.md is out of date
+
+Each table lives between ``<!-- flags:NAME:start -->`` and ``<!-- flags:NAME:end -->``
+(NAME: step1, step2, dpo, step3, train). The parser is captured by importing the
+entry point and calling its ``parse_args`` with ``ArgumentParser.parse_args``
+replaced by a trap, so nothing is trained, initialised or downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import os
+import re
+import sys
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+README = os.path.join(REPO, "README.md")
+ENTRY_POINTS = {
+    "step1": "step1_supervised_finetuning/main.py",
+    "step2": "step2_reward_model_finetuning/main.py",
+    "dpo": "step2_dpo_finetuning/main.py",
+    "step3": "step3_rlhf_finetuning/main.py",
+    "train": "train.py",
+}
+REGION = re.compile(r"(<!-- flags:(?P<name>\w+):start -->\n)(?P<body>.*?)(<!-- flags:(?P=name):end -->)", re.S)
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def _trap(self, args=None, namespace=None):
+    raise _Captured(self)
+
+
+def load_parser(relpath: str) -> argparse.ArgumentParser:
+    """The ``ArgumentParser`` an entry point builds (its ``build_parser()``, else the one ``parse_args`` uses)."""
+    path = os.path.join(REPO, relpath)
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    spec = importlib.util.spec_from_file_location(f"_flags_{relpath.replace('/', '_')[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look a module up by name
+    spec.loader.exec_module(module)
+    if hasattr(module, "build_parser"):
+        return module.build_parser()
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = _trap
+    try:
+        takes_argv = bool(inspect.signature(module.parse_args).parameters)
+        module.parse_args([]) if takes_argv else module.parse_args()
+    except _Captured as captured:
+        return captured.parser
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    raise RuntimeError(f"{relpath}: parse_args() returned without calling ArgumentParser.parse_args")
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return "off" if action.default is False else "on"
+    value = action.default
+    if value is None or value == argparse.SUPPRESS or value == "":
+        return ""
+    if isinstance(value, (list, tuple)):
+        return "`" + " ".join(str(v) for v in value) + "`" if value else ""
+    return f"`{value}`"
+
+
+def flags_table(parser: argparse.ArgumentParser) -> str:
+    """Markdown: one table per argument group (flag, default, description)."""
+    out = []
+    for group in parser._action_groups:
+        rows = []
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            flag = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest}`"
+            text = action.help or ""
+            if action.choices is not None:
+                text += f" (choices: {', '.join(str(c) for c in action.choices)})"
+            rows.append(f"| {flag} | {_cell(_default(action))} | {_cell(text)} |")
+        if rows:
+            title = "options" if group.title in ("options", "optional arguments") else group.title
+            out += [f"**{title}**", "", "| flag | default | description |", "|---|---|---|", *rows, ""]
+    return "\n".join(out)
+
+
+def table_for(name: str) -> str:
+    relpath = ENTRY_POINTS[name]
+    if not os.path.isfile(os.path.join(REPO, relpath)):
+        return f"_`{relpath}` is not in this checkout._\n"
+    return flags_table(load_parser(relpath))
+
+
+def render(readme: str) -> str:
+    """``readme`` with every flags region regenerated."""
+    def replace(match):
+        name = match.group("name")
+        if name not in ENTRY_POINTS:
+            raise KeyError(f"unknown flags region {name!r}; known: {', '.join(ENTRY_POINTS)}")
+        return match.group(1) + table_for(name) + match.group(4)
+
+    return REGION.sub(replace, readme)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="Only check; exit 1 when README.md is out of date.")
+    p.add_argument("--readme", default=README, help="The README to rewrite.")
+    args = p.parse_args(argv)
+    with open(args.readme) as f:
+        current = f.read()
+    fresh = render(current)
+    if args.check:
+        if fresh != current:
+            print(f"{args.readme}: flag tables are out of date; run python scripts/gen_readme_tables.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if fresh != current:
+        with open(args.readme, "w") as f:
+            f.write(fresh)
+    print(f"{args.readme}: flag tables {'updated' if fresh != current else 'already up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

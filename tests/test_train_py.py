@@ -1,0 +1,210 @@
+"""train.py: step selection, output layout, launcher commands, refusals and failures; the summary."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import train
+from tests.conftest import REPO, run_entry
+from utils import summary
+
+SHORT = "--data_path builtin/preference-small --max_seq_len 64 --per_device_train_batch_size 8 --max_steps 3"
+
+
+def plan_for(argv, gpus=0):
+    return train.make_plan(train.parse_args(argv), gpus)
+
+
+def flag(cmd, name):
+    """The value after the LAST occurrence of ``name`` in ``cmd`` (argparse: last wins)."""
+    i = len(cmd) - 1 - cmd[::-1].index(name)
+    return cmd[i + 1]
+
+
+# --------------------------------------------------------------------------- planning (no processes)
+
+def test_model_names_map_like_the_reference(tmp_path):
+    assert train.parse_model("1.3b") == train.Model("facebook/opt-1.3b", "1.3b", opt_size="1.3b")
+    assert train.parse_model("facebook/opt-350m").label == "350m"
+    assert train.parse_model("tiny-opt") == train.Model("tiny-opt", "tiny-opt", builtin=True)
+    assert train.parse_model("meta-llama/Llama-2-7b-hf").label == "Llama-2-7b-hf"
+    local = tmp_path / "my-actor"
+    local.mkdir()
+    assert train.parse_model(str(local)) == train.Model(str(local), "my-actor")
+
+
+def test_step_selection_and_output_layout(tmp_path):
+    out = str(tmp_path)
+    plan = plan_for(["--step", "3", "1", "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", out,
+                     "--actor-zero-stage", "2", "--reward-zero-stage", "3"])
+    assert [launch.step.number for launch in plan] == [1, 3]  # sorted, step 2 left out
+    s1, s3 = plan
+    assert s1.out_dir == f"{out}/actor-models/1.3b" and s3.out_dir == f"{out}/step3-models/1.3b"
+    assert flag(s1.cmd, "--model_name_or_path") == "facebook/opt-1.3b"
+    assert flag(s1.cmd, "--zero_stage") == "2"
+    assert flag(s3.cmd, "--actor_model_name_or_path") == f"{out}/actor-models/1.3b"
+    assert flag(s3.cmd, "--critic_model_name_or_path") == f"{out}/reward-models/350m"
+    assert (flag(s3.cmd, "--actor_zero_stage"), flag(s3.cmd, "--critic_zero_stage")) == ("2", "3")
+    assert s3.needs == [(1, f"{out}/actor-models/1.3b"), (2, f"{out}/reward-models/350m")]
+    assert s1.cmd[:2] == [sys.executable, os.path.join(REPO, "step1_supervised_finetuning", "main.py")]  # CPU
+
+
+def test_launchers_per_deployment_type(tmp_path):
+    base = ["--step", "2", "--output-dir", str(tmp_path)]
+    single_gpu = plan_for(base, gpus=4)[0].cmd
+    assert single_gpu[0].endswith("deepspeed") and flag(single_gpu, "--num_gpus") == "1"
+    node = plan_for(base + ["--deployment-type", "single_node"], gpus=4)[0].cmd
+    assert flag(node, "--num_gpus") == "4"
+    cpu_node = plan_for(base + ["--deployment-type", "single_node"])[0]
+    assert cpu_node.cmd[0] == sys.executable and "CPU" in cpu_node.note  # one CPU process by default
+    cpu_ranks = plan_for(base + ["--deployment-type", "single_node", "--cpu-ranks", "2"])[0].cmd
+    assert cpu_ranks[0].endswith("deepspeed") and flag(cpu_ranks, "--num_gpus") == "2"
+    # tiny-opt is OPT-like: its BOS is the pad token
+    assert flag(node, "--num_padding_at_beginning") == "1"
+    llama = plan_for(base + ["--reward-model", "tiny-llama"])[0].cmd
+    assert flag(llama, "--num_padding_at_beginning") == "0"
+
+
+def test_per_size_script_used_on_gpus_when_present(tmp_path, monkeypatch):
+    script = tmp_path / "step1_supervised_finetuning" / "training_scripts" / "opt" / "single_gpu" / "run_1.3b.sh"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/bash\n")
+    monkeypatch.setattr(train, "REPO", str(tmp_path))
+    argv = ["--step", "1", "--actor-model", "facebook/opt-1.3b", "--output-dir", "/o", "--actor-zero-stage", "1"]
+    launch = plan_for(argv, gpus=1)[0]
+    assert launch.cmd == ["bash", str(script), "/o/actor-models/1.3b", "1"]
+    assert not launch.tee  # the script tees its own training.log
+    assert plan_for(argv, gpus=0)[0].cmd[0] == sys.executable  # no GPU: the command line is built instead
+
+
+def test_pass_through_args_come_last_and_win(tmp_path):
+    cmd = plan_for(["--step", "1", "--demo", "--output-dir", str(tmp_path),
+                    "--step1-args", "--max_steps 2 --learning_rate 0.5"])[0].cmd
+    assert flag(cmd, "--data_path") == "builtin/preference"  # from the demo settings
+    assert flag(cmd, "--learning_rate") == "0.5"  # the user's flag overrides the demo's 1e-3
+    assert cmd[-4:] == ["--max_steps", "2", "--learning_rate", "0.5"]
+
+
+def test_multi_node_dry_run_prints_hostfile_commands(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    res = run_entry("train.py", "--dry-run", "--deployment-type", "multi_node", "--hostfile", hostfile,
+                    "--actor-model", "6.7b", "--reward-model", "350m", "--output-dir", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    commands = [shlex.split(line) for line in res.stdout.splitlines() if not line.startswith("#")]
+    assert len(commands) == 3
+    for n, cmd in zip((1, 2, 3), commands):
+        assert cmd[0].endswith("deepspeed") and cmd[1:3] == ["--hostfile", str(hostfile)]
+        assert cmd[3] == os.path.join(REPO, train.STEPS[n].folder, "main.py")
+    assert flag(commands[1], "--output_dir") == str(tmp_path / "out" / "reward-models" / "350m")
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+# --------------------------------------------------------------------------- refusals and failures
+
+def test_step3_refuses_before_launching_when_step1_output_is_missing(tmp_path):
+    out = tmp_path / "out"
+    res = run_entry("train.py", "--step", "3", "--output-dir", out, timeout=120)
+    assert res.returncode == 2
+    assert str(out / "actor-models" / "tiny-opt") in res.stderr and "step-1" in res.stderr
+    assert "Running Step" not in res.stdout and not (out / "step3-models").exists()
+
+
+def test_failing_step_exits_nonzero_naming_step_and_log(tmp_path):
+    out = tmp_path / "out"
+    res = run_entry("train.py", "--step", "1", "2", "--output-dir", out,
+                    "--step1-args", "--data_path nonexistent/set", timeout=300)
+    log = out / "actor-models" / "tiny-opt" / "training.log"
+    assert res.returncode != 0
+    assert "step 1 (supervised fine-tuning (actor)) failed" in res.stderr and str(log) in res.stderr
+    assert "nonexistent/set" in log.read_text()  # the step's own error message is kept in its log
+    assert "Running Step 2" not in res.stdout  # later steps do not start
+
+
+@pytest.mark.parametrize("entry_point", ["train.py", *[f"{s.folder}/main.py" for s in train.STEPS.values()],
+                                         "step2_dpo_finetuning/main.py", "chat.py"])
+def test_help_is_offline_and_starts_no_process_group(entry_point):
+    if not (REPO / entry_point).exists():
+        pytest.skip(f"{entry_point} not in this checkout")
+    res = run_entry(entry_point, "--help", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout and "--help" in res.stdout
+    assert "Initializing TorchBackend" not in res.stdout + res.stderr
+
+
+# --------------------------------------------------------------------------- an end-to-end run
+
+@pytest.mark.slow
+def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
+    """Steps 1 + 2 for real (step 3's engines cost ~1 min of CPU more; its layout is covered by the plan tests)."""
+    out = tmp_path / "out"
+    res = run_entry("train.py", "--step", "1", "2", "--output-dir", out, "--step1-args", SHORT,
+                    "--step2-args", SHORT, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for folder in (out / "actor-models" / "tiny-opt", out / "reward-models" / "tiny-opt"):
+        assert train.has_model(str(folder)), sorted(os.listdir(folder))
+        assert "Running training" in (folder / "training.log").read_text()  # the log holds the step's output
+        assert (folder / "metrics.jsonl").is_file()
+    assert not (out / "step3-models").exists()
+    result = json.loads((out / "summary.json").read_text())
+    assert set(result["steps"]) == {"1", "2"}
+    s1, s2 = result["steps"]["1"], result["steps"]["2"]
+    assert s1["optimizer_steps"] == 3 and s2["optimizer_steps"] == 3
+    assert s1["perplexity_after"] < s1["perplexity_before"]  # 3 steps at lr 1e-3 already help
+    assert 0 <= s2["accuracy_after"] <= 1 and s1["wall_time_s"] > 0
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1 SFT (actor)" in res.stdout and "2 reward model" in res.stdout  # the table is printed
+    assert f"python chat.py --path {out / 'actor-models' / 'tiny-opt'}" in res.stdout
+
+
+# --------------------------------------------------------------------------- summary (utils/summary.py)
+
+def write_rows(folder, rows):
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.write("not json\n")  # a torn last line is skipped
+
+
+def test_summary_condenses_metrics_and_tolerates_missing_keys(tmp_path):
+    write_rows(tmp_path / "s1", [{"step": 0, "phase": "eval", "perplexity": 700.0, "loss": 6.5},
+                                 {"step": 1, "phase": "train", "loss": 6.0},
+                                 {"step": 2, "phase": "train"},  # no loss at all
+                                 {"step": 2, "phase": "eval", "perplexity": 10.0, "loss": 2.3}])
+    write_rows(tmp_path / "s2", [{"step": 0, "phase": "eval", "acc": 0.5, "chosen": 0.1, "rejected": 0.2},
+                                 {"step": 4, "phase": "eval", "acc": 0.75, "chosen": 1.0, "rejected": -1.0}])
+    write_rows(tmp_path / "s3", [{"step": i, "phase": "train", "reward": float(i), "kl": "nan" if i == 7 else 0.01 * i}
+                                 for i in range(8)])
+    folders = {1: str(tmp_path / "s1"), 2: str(tmp_path / "s2"), 3: str(tmp_path / "s3")}
+    result = summary.build_summary(folders, {1: 61.0, 3: 5.0})
+    s1, s2, s3 = (result["steps"][k] for k in "123")
+    assert (s1["perplexity_before"], s1["perplexity_after"], s1["eval_loss"]) == (700.0, 10.0, 2.3)
+    assert s1["final_train_loss"] == 6.0 and s1["wall_time_s"] == 61.0
+    assert (s2["accuracy_before"], s2["accuracy_after"], s2["chosen_score"]) == (0.5, 0.75, 1.0)
+    assert s2["wall_time_s"] is None and "final_train_loss" not in s2
+    # 8 noisy rewards: start/end are means of the first/last 2 (a quarter); "nan" KL values are skipped
+    assert (s3["reward_start"], s3["reward_end"]) == (0.5, 6.5)
+    assert s3["kl_end"] == pytest.approx(0.06)  # 7 finite values: window 7 // 4 = 1
+    table = summary.format_table(result)
+    assert "0:01:01" in table and "eval ppl 700.0 -> 10.00" in table and "reward 0.500 -> 6.500" in table
+    text = summary.write_summary(str(tmp_path / "out"), folders, {1: 61.0})
+    assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["1"]["wall_time_s"] == 61.0
+    assert "summary.json" in text
+
+
+def test_summary_of_empty_folders_still_draws(tmp_path):
+    folders = {n: str(tmp_path / f"missing{n}") for n in (1, 2, 3)}
+    result = summary.build_summary(folders, {})
+    assert result["steps"] == {} and result["total_wall_time_s"] is None
+    assert os.path.isfile(summary.plot_curves(folders, str(tmp_path / "c.png")))
+
+
+def test_train_py_runs_outside_the_repo_directory(tmp_path):
+    res = subprocess.run([sys.executable, str(REPO / "train.py"), "--dry-run", "--step", "1", "--output-dir", "o"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and str(tmp_path / "o" / "actor-models" / "tiny-opt") in res.stdout

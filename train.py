@@ -1,0 +1,426 @@
+#!/usr/bin/env python
+"""Run the three RLHF steps end to end (DeepSpeed-Chat's ``train.py`` / ``e2e_rlhf.py``).
+
+    python train.py --demo                       # tiny built-in models + data, CPU, a few minutes
+    python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m \\
+                    --deployment-type single_gpu  # as in DeepSpeed-Chat
+    python train.py --step 3 --actor-model 1.3b --reward-model 350m
+
+Layout (as in the reference)::
+
+    {output}/actor-models/{actor}/    step 1: SFT actor          (+ training.log, metrics.jsonl)
+    {output}/reward-models/{reward}/  step 2: reward model       (+ training.log, metrics.jsonl)
+    {output}/step3-models/{actor}/    step 3: PPO actor/critic   (+ training.log, metrics.jsonl)
+    {output}/summary.json, {output}/training_curves.png
+
+Each step is one child process: a per-size script ``stepN/training_scripts/opt/
+{deployment}/run_{size}.sh`` when one exists and GPUs are present (OPT sizes, like
+the reference), otherwise a command line built here (``python stepN/main.py`` for
+one process, ``deepspeed --num_gpus N`` / ``deepspeed --hostfile H`` for
+single_node / multi_node). Its output is streamed to the console and kept in the
+step's ``training.log``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, REPO)
+
+from utils.model.tiny import CONFIGS as BUILTIN_MODELS  # noqa: E402  (pure: no torch import)
+
+
+@dataclass(frozen=True)
+class Step:
+    number: int
+    folder: str  # the step's directory in this repository
+    kind: str  # output sub-folder prefix: {kind}-models
+    title: str
+
+
+STEPS = {
+    1: Step(1, "step1_supervised_finetuning", "actor", "supervised fine-tuning (actor)"),
+    2: Step(2, "step2_reward_model_finetuning", "reward", "reward model"),
+    3: Step(3, "step3_rlhf_finetuning", "step3", "RLHF with PPO"),
+}
+
+# Hyper-parameters of `--demo` (built-in tiny models and data, CPU-friendly), one place to tune.
+# They go after train.py's own flags and before --stepN-args, so a user's flags still win.
+DEMO_ARGS = {
+    1: "--data_path builtin/preference --per_device_train_batch_size 16 --max_seq_len 64 "
+       "--learning_rate 1e-3 --num_train_epochs 2",
+    2: "--data_path builtin/preference --per_device_train_batch_size 16 --max_seq_len 64 "
+       "--learning_rate 5e-4 --num_train_epochs 1 --eval_interval 20",
+    3: "--data_path builtin/preference --max_prompt_seq_len 32 --max_answer_seq_len 24 --do_sample "
+       "--max_steps 40 --per_device_generation_batch_size 16 --per_device_training_batch_size 16 "
+       "--actor_learning_rate 1e-4 --critic_learning_rate 1e-3 --num_warmup_steps 0",
+}
+DEMO_QUESTION = "Describe the lamp."
+# The demo's ~1 M-parameter model runs ~3x faster with one thread per process than with two.
+DEMO_CPU_THREADS = "1"
+
+OPT_SIZE = re.compile(r"^(?:facebook/opt-)?(\d+(?:\.\d+)?[mb])$")
+REMEDIES = ("  - reduce --per_device_*_batch_size (step 3: --per_device_generation_batch_size / "
+            "--per_device_training_batch_size) or --max_seq_len",
+            "  - raise the ZeRO stage (--actor-zero-stage / --reward-zero-stage 2 or 3) on several GPUs",
+            "  - add --offload, --gradient_checkpointing or --only_optimize_lora (with --lora_dim) "
+            "via --stepN-args")
+
+
+class PlanError(Exception):
+    """Something the user can fix before any step is launched."""
+
+
+# --------------------------------------------------------------------------- models
+
+@dataclass(frozen=True)
+class Model:
+    name_or_path: str  # what the step's --model_name_or_path receives
+    label: str  # folder name under {kind}-models/
+    builtin: bool = False
+    opt_size: str | None = None  # "1.3b" for facebook/opt-1.3b: selects the per-size script
+
+
+def parse_model(spec: str) -> Model:
+    """``1.3b`` / ``facebook/opt-1.3b`` / a hub name / a local folder / a built-in name -> :class:`Model`."""
+    if spec in BUILTIN_MODELS:
+        return Model(spec, spec, builtin=True)
+    match = OPT_SIZE.match(spec)
+    if match:
+        return Model(f"facebook/opt-{match.group(1)}", match.group(1), opt_size=match.group(1))
+    if os.path.isdir(spec):
+        path = os.path.abspath(spec)
+        return Model(path, os.path.basename(path.rstrip(os.sep)))
+    return Model(spec, spec.rstrip("/").split("/")[-1])
+
+
+def padding_at_beginning(model: Model) -> str | None:
+    """``--num_padding_at_beginning`` for built-in models (OPT-like 1, Llama-like 0); others: the step's default."""
+    if model.builtin:
+        return "1" if BUILTIN_MODELS[model.name_or_path]["arch"] == "opt" else "0"
+    return None
+
+
+# --------------------------------------------------------------------------- arguments
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Run DeepSpeed-Chat's three RLHF steps (SFT -> reward model -> PPO) one after another.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python train.py --demo\n"
+               "  python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m "
+               "--deployment-type single_gpu\n"
+               "  python train.py --step 1 2 --step1-args \"--max_steps 3\" --step2-args \"--max_steps 3\"")
+    p.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
+                   help="Which steps to run (any subset, run in order).")
+    p.add_argument("--actor-model", default="tiny-opt",
+                   help="Actor (steps 1, 3): an OPT size (1.3b, 6.7b, 13b, 66b -> facebook/opt-*), any hub name, "
+                        "a local HF folder, or a built-in name (tiny-opt, tiny-llama, small-opt).")
+    p.add_argument("--reward-model", default="tiny-opt",
+                   help="Reward model (step 2, critic in step 3): 350m or the same forms as --actor-model.")
+    p.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage of the actor (steps 1, 3); default: the step's (or script's) own.")
+    p.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage of the reward model / critic (steps 2, 3); default: the step's own.")
+    p.add_argument("--output-dir", default="./output",
+                   help="Results go to {output}/actor-models/, reward-models/, step3-models/.")
+    p.add_argument("--deployment-type", default="single_gpu", choices=("single_gpu", "single_node", "multi_node"),
+                   help="One GPU (CPU when there is none), all GPUs of this node, or several nodes (--hostfile).")
+    p.add_argument("--num-gpus", type=int, default=None,
+                   help="single_node: GPUs to use (default: all).")
+    p.add_argument("--cpu-ranks", type=int, default=1,
+                   help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
+    p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: DeepSpeed hostfile.")
+    for n in STEPS:
+        p.add_argument(f"--step{n}-args", default="", metavar="ARGS",
+                       help=f"Extra flags for step {n}'s main.py, one quoted string (they win over train.py's).")
+    p.add_argument("--demo", action="store_true",
+                   help="Demo hyper-parameters (built-in data, CPU-friendly sizes); ends with a chatbot answer.")
+    p.add_argument("--dry-run", action="store_true", help="Print the commands without running them.")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    args.step = sorted(set(args.step))
+    args.output_dir = os.path.abspath(args.output_dir)
+    args.actor = parse_model(args.actor_model)
+    args.reward = parse_model(args.reward_model)
+    return args
+
+
+# --------------------------------------------------------------------------- plan
+
+@dataclass
+class Launch:
+    step: Step
+    cmd: list
+    out_dir: str
+    needs: list = field(default_factory=list)  # (step number, folder) that must hold a model first
+    note: str = ""
+    tee: bool = True  # False: the per-size script writes training.log itself
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.out_dir, "training.log")
+
+
+def step_output_dir(args, n: int) -> str:
+    model = args.reward if n == 2 else args.actor
+    return os.path.join(args.output_dir, f"{STEPS[n].kind}-models", model.label)
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable torch/CUDA means no GPU
+        return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launcher() -> str:
+    """The ``deepspeed`` script of this interpreter's environment (works without an activated venv)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return beside if os.path.isfile(beside) else (shutil.which("deepspeed") or "deepspeed")
+
+
+def launcher_prefix(args, gpus: int) -> tuple[list, str]:
+    """How to start one step's ``main.py``: (command prefix, note for the user)."""
+    if args.deployment_type == "multi_node":
+        return [deepspeed_launcher(), "--hostfile", args.hostfile], f"multi_node: hosts from {args.hostfile}"
+    if gpus == 0:
+        ranks = args.cpu_ranks if args.deployment_type == "single_node" else 1
+        if ranks > 1:
+            return ([deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(_free_port())],
+                    f"no GPU found: {args.deployment_type} runs {ranks} CPU ranks")
+        return [sys.executable], f"no GPU found: {args.deployment_type} runs on the CPU in one process"
+    n = 1 if args.deployment_type == "single_gpu" else (args.num_gpus or gpus)
+    return [deepspeed_launcher(), "--num_gpus", str(n), "--master_port", str(_free_port())], f"{n} GPU(s)"
+
+
+def step_flags(args, n: int) -> list:
+    """The flags train.py itself gives step ``n`` (models, output, ZeRO stages, padding)."""
+    out = step_output_dir(args, n)
+    flags = ["--data_output_path", os.path.join(args.output_dir, "data_files"), "--output_dir", out]
+    if n in (1, 2):
+        model, zero = (args.actor, args.actor_zero_stage) if n == 1 else (args.reward, args.reward_zero_stage)
+        flags += ["--model_name_or_path", model.name_or_path]
+        if zero is not None:
+            flags += ["--zero_stage", str(zero)]
+    else:
+        flags += ["--actor_model_name_or_path", step_output_dir(args, 1),
+                  "--critic_model_name_or_path", step_output_dir(args, 2)]
+        if args.actor_zero_stage is not None:
+            flags += ["--actor_zero_stage", str(args.actor_zero_stage)]
+        if args.reward_zero_stage is not None:
+            flags += ["--critic_zero_stage", str(args.reward_zero_stage)]
+    npab = padding_at_beginning(args.reward) if n in (2, 3) else None
+    if npab is not None:
+        flags += ["--num_padding_at_beginning", npab]
+    return flags
+
+
+def extra_flags(args, n: int) -> list:
+    demo = shlex.split(DEMO_ARGS[n]) if args.demo else []
+    return demo + shlex.split(getattr(args, f"step{n}_args"))
+
+
+def size_script(args, n: int, gpus: int) -> str | None:
+    """DeepSpeed-Chat's per-size script for this step, when one applies and exists."""
+    size = (args.reward if n == 2 else args.actor).opt_size
+    if gpus == 0 or size is None:
+        return None
+    script = os.path.join(REPO, STEPS[n].folder, "training_scripts", "opt", args.deployment_type, f"run_{size}.sh")
+    return script if os.path.isfile(script) else None
+
+
+def plan_step(args, n: int, gpus: int) -> Launch:
+    step = STEPS[n]
+    out = step_output_dir(args, n)
+    needs = [(1, step_output_dir(args, 1)), (2, step_output_dir(args, 2))] if n == 3 else []
+    script = size_script(args, n, gpus)
+    if script is not None:
+        zero = lambda z: "" if z is None else str(z)  # noqa: E731 - the scripts take '' for "their default"
+        if n == 3:
+            positional = [step_output_dir(args, 1), step_output_dir(args, 2), zero(args.actor_zero_stage),
+                          zero(args.reward_zero_stage), out]
+        else:
+            positional = [out, zero(args.actor_zero_stage if n == 1 else args.reward_zero_stage)]
+        return Launch(step, ["bash", script, *positional, *extra_flags(args, n)], out, needs,
+                      note=f"per-size script {os.path.relpath(script, REPO)}", tee=False)
+    prefix, note = launcher_prefix(args, gpus)
+    main_py = os.path.join(REPO, step.folder, "main.py")
+    return Launch(step, [*prefix, main_py, *step_flags(args, n), *extra_flags(args, n)], out, needs, note)
+
+
+def make_plan(args, gpus: int) -> list:
+    return [plan_step(args, n, gpus) for n in args.step]
+
+
+# --------------------------------------------------------------------------- checks
+
+def has_model(folder: str) -> bool:
+    """A Hugging Face model folder: config.json + weights (step 3 keeps its actor in ``actor/``)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return False
+    return any(name.endswith((".safetensors", ".bin")) or name.endswith(".index.json") for name in os.listdir(folder))
+
+
+def check_inputs(args, plan: list) -> None:
+    """Refuse before launching anything when a step's input model is missing and no earlier step makes it."""
+    will_make = set()
+    for launch in plan:
+        missing = [(n, folder) for n, folder in launch.needs if n not in will_make and not has_model(folder)]
+        if missing:
+            lines = [f"step {launch.step.number} needs the step-{n} model, but {folder} holds none"
+                     for n, folder in missing]
+            steps = " ".join(str(n) for n, _ in missing)
+            raise PlanError("\n".join(lines) + f"\n  train it first: python train.py --step {steps} "
+                            f"--actor-model {args.actor_model} --reward-model {args.reward_model} "
+                            f"--output-dir {args.output_dir}")
+        will_make.add(launch.step.number)
+    if args.deployment_type == "multi_node" and not os.path.isfile(args.hostfile):
+        raise PlanError(f"multi_node needs a DeepSpeed hostfile; {args.hostfile} does not exist (--hostfile)")
+    for launch in plan:
+        main_py = os.path.join(REPO, launch.step.folder, "main.py")
+        if not os.path.isfile(main_py):
+            raise PlanError(f"step {launch.step.number}: {main_py} is missing from this checkout")
+
+
+# --------------------------------------------------------------------------- running
+
+def run_logged(cmd: list, log_path: str | None, env: dict) -> int:
+    """Run ``cmd``, streaming its output (stdout + stderr) to the console and to ``log_path`` (if given)."""
+    with open(log_path or os.devnull, "wb") as log:
+        log.write(("$ " + shlex.join(cmd) + "\n").encode())
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            fd = proc.stdout.fileno()
+            while chunk := os.read(fd, 65536):  # raw chunks, so tqdm's \r updates show up live
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                log.write(chunk)
+                log.flush()
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait()
+            raise
+        return proc.wait()
+
+
+def child_env(cpu_threads: str | None = None) -> dict:
+    """The steps' environment: unbuffered output, this interpreter's ``python``/``deepspeed`` first on PATH.
+
+    ``cpu_threads`` sets ``OMP_NUM_THREADS`` unless the user already did.
+    """
+    bin_dir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable,
+               PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
+    if cpu_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", cpu_threads)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # a fresh process group per step
+        env.pop(key, None)
+    return env
+
+
+def fmt_time(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def failure_message(launch: Launch, rc: int) -> str:
+    return "\n".join((
+        f"error: step {launch.step.number} ({launch.step.title}) failed with exit status {rc}",
+        f"  log: {launch.log_path}",
+        f"  command: {shlex.join(launch.cmd)}",
+        "  if it ran out of memory, try:", *REMEDIES))
+
+
+def run_step(launch: Launch, env: dict) -> float:
+    """Launch one step; returns its wall time. Exits (status ≠ 0) when it fails or saves no model."""
+    os.makedirs(launch.out_dir, exist_ok=True)
+    metrics = os.path.join(launch.out_dir, "metrics.jsonl")
+    if os.path.exists(metrics):  # TrainLogger appends: start this step's curves afresh
+        os.remove(metrics)
+    print(f"---=== Running Step {launch.step.number}: {launch.step.title} ({launch.note}) ===---", flush=True)
+    print(f"$ {shlex.join(launch.cmd)}", flush=True)
+    start = time.time()
+    rc = run_logged(launch.cmd, launch.log_path if launch.tee else None, env)
+    elapsed = time.time() - start
+    if rc != 0:
+        print(failure_message(launch, rc), file=sys.stderr, flush=True)
+        sys.exit(rc if 0 < rc < 256 else 1)
+    if not has_model(launch.out_dir) and not has_model(os.path.join(launch.out_dir, "actor")):
+        print(f"error: step {launch.step.number} exited normally but saved no model in {launch.out_dir}\n"
+              f"  log: {launch.log_path}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(f"---=== Finished Step {launch.step.number} in {fmt_time(elapsed)} ===---", flush=True)
+    return elapsed
+
+
+def step3_actor_dir(folder: str) -> str:
+    """Step 3 saves ``actor/`` (and ``critic/``) inside its output folder."""
+    return os.path.join(folder, "actor") if has_model(os.path.join(folder, "actor")) else folder
+
+
+def chat_once(actor_dir: str, question: str) -> None:
+    """Pipe one question into the chatbot (as a user would) and show the answer."""
+    print(f"---=== Chatbot ({actor_dir}) ===---\nHuman: {question}", flush=True)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "chat.py"), "--path", actor_dir,
+                           "--max_new_tokens", "32"], input=f"{question}\nquit\n", text=True,
+                          capture_output=True, cwd=REPO, env=child_env())
+    if proc.returncode != 0:
+        print(f"warning: the chatbot failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    else:
+        print(proc.stdout.strip(), flush=True)
+
+
+def main(args) -> int:
+    gpus = gpu_count()
+    plan = make_plan(args, gpus)
+    if args.dry_run:
+        for launch in plan:
+            print(f"# step {launch.step.number}: {launch.step.title} ({launch.note}); log: {launch.log_path}")
+            print(shlex.join(launch.cmd))
+        return 0
+    try:
+        check_inputs(args, plan)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from utils.summary import write_summary
+
+    env = child_env(DEMO_CPU_THREADS if args.demo and gpus == 0 else None)
+    times, start = {}, time.time()
+    for launch in plan:
+        times[launch.step.number] = run_step(launch, env)
+    total = time.time() - start
+    print(f"---=== Finished Steps {args.step} in {fmt_time(total)} ===---", flush=True)
+    folders = {n: step_output_dir(args, n) for n in STEPS}
+    print(write_summary(args.output_dir, folders, times), flush=True)
+    actor = step3_actor_dir(folders[3]) if 3 in args.step else folders[1]
+    if args.demo and has_model(actor):
+        chat_once(actor, DEMO_QUESTION)
+    elif has_model(actor):
+        print(f"Chat with the actor: python chat.py --path {actor}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
