@@ -58,12 +58,11 @@ def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
 def main(args):
     # ---- fail fast on bad flags and data, before the heavy imports and any model/DeepSpeed set-up
     from utils.compat import check_zero_combination
-    from utils.data.data_utils import check_data_sources
+    from utils.preflight import preflight
 
     validate_common(args)
     check_zero_combination(args)
-    if int(os.environ.get("LOCAL_RANK", max(args.local_rank, 0))) == 0:
-        check_data_sources(list(args.data_path) + list(args.sft_only_data_path), args.data_output_path, args.seed)
+    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=1)
 
     import deepspeed
     from torch.utils.data import DataLoader, SequentialSampler

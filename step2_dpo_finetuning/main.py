@@ -14,6 +14,8 @@ where ``log π(·)`` sums the log-probabilities of the ANSWER tokens, EOS includ
 :func:`dpo_loss_mask`). Logged: loss, implicit rewards β·(log π − log π_ref) of chosen
 and rejected, their margin and the accuracy (chosen reward > rejected reward). The
 result is a plain Hugging Face causal-LM folder: use it directly or as the step-3 actor.
+With ``--save_interval`` a resumable checkpoint of the policy is written every N optimizer
+steps; rerunning the command resumes from it (:mod:`utils.checkpoint`).
 """
 import argparse
 import math
@@ -25,8 +27,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (add_data_args, add_deepspeed_args, add_logging_args, add_lora_args,  # noqa: E402
-                             add_model_args, add_training_args, validate_common)
+from utils.arguments import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
+                             add_lora_args, add_model_args, add_training_args, validate_common)
 from utils.utils import run_main  # noqa: E402
 
 
@@ -38,6 +40,7 @@ def parse_args(argv=None):
     add_lora_args(parser)
     add_deepspeed_args(parser)
     add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    add_checkpoint_args(parser)
     g = parser.add_argument_group("dpo")
     g.add_argument("--beta", type=float, default=0.1,
                    help="DPO temperature β (typically 0.1-0.5; the reference model matters less as β → 0).")
@@ -120,15 +123,28 @@ def format_metrics(m: dict) -> str:
 
 
 def main(args):
+    # ---- fail fast on bad flags, model paths and data, before any set-up
+    from utils.compat import check_zero_combination
+    from utils.errors import UserInputError
+    from utils.preflight import preflight
+
+    validate_common(args)
+    check_zero_combination(args)
+    if args.beta <= 0:
+        raise UserInputError(f"--beta must be > 0, got {args.beta}")
+    if not 0.0 <= args.label_smoothing < 0.5:
+        raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+
     import deepspeed
-    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+    from torch.utils.data import DataLoader, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
     from transformers import AutoModelForCausalLM, get_scheduler
 
+    from utils.checkpoint import CheckpointManager, resumable_loader
     from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
     from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
-    from utils.compat import check_zero_combination
-    from utils.errors import UserInputError
+    from utils.errors import check_finite
     from utils.logger import TrainLogger
     from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
     from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
@@ -137,12 +153,6 @@ def main(args):
     from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: distributed, precision, DeepSpeed configs (policy: train; reference: eval)
-    validate_common(args)
-    check_zero_combination(args)
-    if args.beta <= 0:
-        raise UserInputError(f"--beta must be > 0, got {args.beta}")
-    if not 0.0 <= args.label_smoothing < 0.5:
-        raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     device = init_distributed(args)
     resolve_dtype(args)
     set_random_seed(args.seed)
@@ -178,9 +188,7 @@ def main(args):
         log=log.info)
     distributed = get_world_size() > 1
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len)
-    train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
-                              sampler=DistributedSampler(train_dataset, seed=args.seed) if distributed
-                              else RandomSampler(train_dataset, generator=torch.Generator().manual_seed(args.seed)))
+    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
                              else SequentialSampler(eval_dataset))
@@ -211,25 +219,33 @@ def main(args):
     # ---- train
     log.info(f"***** Running DPO training: {len(train_dataset)} pairs, {total_steps} optimizer steps, "
              f"beta {args.beta} *****")
-    first = metrics = evaluate(0, "before training")
-    step = 0
-    for epoch in range(args.num_train_epochs):
-        if distributed:
-            train_loader.sampler.set_epoch(epoch)
+    ckpt = CheckpointManager.from_args(args, log, config_keys=(
+        "model_name_or_path", "data_path", "data_split", "sft_only_data_path", "seed", "max_seq_len",
+        "per_device_train_batch_size", "gradient_accumulation_steps", "zero_stage", "lora_dim", "dtype", "beta"))
+    resumed = ckpt.resume({"model": model})  # the reference model is frozen: nothing to save
+    if resumed:
+        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
+        first = metrics = resumed["first_eval"]
+    else:
+        step, start_epoch, skip_batches = 0, 0, 0
+        first = metrics = evaluate(0, "before training")
+    for epoch in range(start_epoch, args.num_train_epochs):
+        skip = skip_batches if epoch == start_epoch else 0
+        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
         log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
-        for batch in log.progress(train_loader, desc=f"dpo epoch {epoch + 1}"):
+        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"dpo epoch {epoch + 1}"), start=skip):
+            if args.max_steps and step >= args.max_steps:
+                break
             start = time.time()
             batch = to_device(batch, device)
             out = dpo_batch(model, ref_model, batch, args.beta, args.label_smoothing)
-            if not torch.isfinite(out["loss"]):
-                raise FloatingPointError(f"DPO: non-finite loss ({out['loss'].item()}) at optimizer step {step + 1} "
-                                         f"(epoch {epoch + 1}); try a lower --learning_rate")
+            check_finite(step + 1, loss=out["loss"])
             model.backward(out["loss"])
             model.step()
-            if not model.is_gradient_accumulation_boundary():
+            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
-            step += 1
+            step = model.global_steps
             stats = summarize(out)
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
@@ -240,8 +256,8 @@ def main(args):
                                          get_world_size(), args.gradient_checkpointing))
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 evaluate(step, f"at step {step}")
-            if args.max_steps and step >= args.max_steps:
-                break
+            ckpt.step_done(step, {"model": model},
+                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_eval": first})
         metrics = evaluate(step, f"after epoch {epoch + 1}")
         if args.max_steps and step >= args.max_steps:
             break

@@ -7,7 +7,9 @@
 parse → distributed/DeepSpeed config → tokenizer / reward model (backbone + v_head,
 +LoRA) → phase-2 pairs → optimizer/scheduler → ``deepspeed.initialize`` → evaluate
 (chosen score, rejected score, accuracy) → train, evaluating every ``--eval_interval``
-steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`).
+steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`). With
+``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
+the command resumes from it (:mod:`utils.checkpoint`).
 """
 import argparse
 import math
@@ -19,8 +21,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (add_data_args, add_deepspeed_args, add_logging_args, add_lora_args,  # noqa: E402
-                             add_model_args, add_training_args, validate_common)
+from utils.arguments import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
+                             add_lora_args, add_model_args, add_training_args, validate_common)
 from utils.utils import run_main  # noqa: E402
 
 
@@ -32,6 +34,7 @@ def parse_args(argv=None):
     add_lora_args(parser)
     add_deepspeed_args(parser)
     add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    add_checkpoint_args(parser)
     g = parser.add_argument_group("reward model")
     g.add_argument("--num_padding_at_beginning", type=int, default=1,
                    help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
@@ -90,14 +93,23 @@ def format_eval(metrics: dict) -> str:
 
 
 def main(args):
+    # ---- fail fast on bad flags, model paths and data, before any set-up
+    from utils.compat import check_zero_combination
+    from utils.preflight import preflight
+
+    validate_common(args)
+    check_zero_combination(args)
+    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+
     import deepspeed
-    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+    from torch.utils.data import DataLoader, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
     from transformers import get_scheduler
 
+    from utils.checkpoint import CheckpointManager, resumable_loader
     from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
     from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
-    from utils.compat import check_zero_combination
+    from utils.errors import check_finite
     from utils.logger import TrainLogger
     from utils.model.critic import create_critic_model, save_reward_model
     from utils.model.model_utils import load_hf_tokenizer
@@ -107,8 +119,6 @@ def main(args):
     from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: distributed, precision, DeepSpeed config
-    validate_common(args)
-    check_zero_combination(args)
     device = init_distributed(args)
     resolve_dtype(args)
     set_random_seed(args.seed)
@@ -140,9 +150,7 @@ def main(args):
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning, log)
     distributed = get_world_size() > 1
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len)
-    train_loader = DataLoader(train_dataset, collate_fn=collate, batch_size=args.per_device_train_batch_size,
-                              sampler=DistributedSampler(train_dataset, seed=args.seed) if distributed
-                              else RandomSampler(train_dataset, generator=torch.Generator().manual_seed(args.seed)))
+    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
                              else SequentialSampler(eval_dataset))
@@ -167,29 +175,40 @@ def main(args):
         log.scalars(step, "eval", **metrics)
         return metrics
 
+    # ---- resume (automatic when --output_dir holds a valid checkpoint)
+    ckpt = CheckpointManager.from_args(args, log, config_keys=(
+        "model_name_or_path", "data_path", "data_split", "sft_only_data_path", "seed", "max_seq_len",
+        "per_device_train_batch_size", "gradient_accumulation_steps", "zero_stage", "lora_dim", "dtype",
+        "num_padding_at_beginning"))
+    resumed = ckpt.resume({"model": model})
+
     # ---- train
     log.info(f"***** Running training: {len(train_dataset)} pairs, {total_steps} optimizer steps *****")
-    first = metrics = evaluate(0, "before training")
-    step = 0
-    for epoch in range(args.num_train_epochs):
-        if distributed:
-            train_loader.sampler.set_epoch(epoch)
+    if resumed:
+        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
+        first = metrics = resumed["first_eval"]
+    else:
+        step, start_epoch, skip_batches = 0, 0, 0
+        first = metrics = evaluate(0, "before training")
+    for epoch in range(start_epoch, args.num_train_epochs):
+        skip = skip_batches if epoch == start_epoch else 0
+        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
         log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
-        loss_sum, loss_count = 0.0, 0
-        for batch in log.progress(train_loader, desc=f"step2 epoch {epoch + 1}"):
+        loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if skip else (0.0, 0)
+        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step2 epoch {epoch + 1}"), start=skip):
+            if args.max_steps and step >= args.max_steps:
+                break
             start = time.time()
             batch = to_device(batch, device)
             loss = model(**batch, use_cache=False)["loss"]
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step 2: non-finite loss ({loss.item()}) at optimizer step {step + 1} "
-                                         f"(epoch {epoch + 1}); try a lower --learning_rate or --dtype bf16/fp32")
+            check_finite(step + 1, loss=loss)
             model.backward(loss)
             model.step()
             loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
-            if not model.is_gradient_accumulation_boundary():
+            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
-            step += 1
+            step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss.item():.4f}")
             log.scalars(step, "train", loss=loss.item(), lr=lr_scheduler.get_last_lr()[0])
@@ -199,8 +218,9 @@ def main(args):
                                          get_world_size(), args.gradient_checkpointing))
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 evaluate(step, f"at step {step}")
-            if args.max_steps and step >= args.max_steps:
-                break
+            ckpt.step_done(step, {"model": model},
+                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_eval": first,
+                                    "epoch_loss_sum": loss_sum, "epoch_loss_count": loss_count})
         log.info(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {loss_sum / max(loss_count, 1):.4f}")
         metrics = evaluate(step, f"after epoch {epoch + 1}")
         if args.max_steps and step >= args.max_steps:

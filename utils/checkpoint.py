@@ -54,6 +54,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 from typing import Callable, Dict, Optional
 
 import numpy as np
@@ -61,7 +62,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from utils.errors import UserInputError
-from utils.utils import barrier, get_rank, get_world_size, is_rank_0
+from utils.utils import barrier, get_rank, get_world_size, is_rank_0, is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
@@ -135,6 +136,56 @@ def resumable_loader(dataset, batch_size: int, seed: int, **kwargs):
                       generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
+# --------------------------------------------------------------------------- frozen modules
+
+class ModuleState:
+    """Checkpoint adapter for a model without an optimizer (step 3's EMA actor).
+
+    DeepSpeed cannot ``save_checkpoint`` a ZeRO-3 engine that has no optimizer, and such
+    a model needs no optimizer state anyway: this saves every parameter and buffer in
+    full (ZeRO-3 partitions gathered) as one safetensors file, written by rank 0, and
+    loads it back into the (possibly partitioned) module. Same two methods as an engine.
+    """
+
+    FILE = "model.safetensors"
+
+    def __init__(self, module):
+        self.module = module.module if hasattr(module, "module") else module
+
+    def _tensors(self):
+        return list(self.module.named_parameters()) + list(self.module.named_buffers())
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = False) -> None:
+        import deepspeed
+        from safetensors.torch import save_file
+
+        state = {}
+        for name, tensor in self._tensors():
+            with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else []):
+                if is_rank_0():
+                    state[name] = tensor.detach().cpu().clone().contiguous()
+        if is_rank_0():
+            os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+            save_file(state, os.path.join(save_dir, tag, self.FILE))
+        barrier()
+
+    def load_checkpoint(self, load_dir: str, tag: str):
+        import deepspeed
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(load_dir, tag, self.FILE))
+        names = {name for name, _ in self._tensors()}
+        if names != set(state):
+            raise UserInputError(f"checkpoint {load_dir}: its tensors do not match the model "
+                                 f"(missing {sorted(names - set(state))[:3]}, unexpected {sorted(set(state) - names)[:3]})")
+        with torch.no_grad():
+            for name, tensor in self._tensors():
+                with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else [],
+                                                       modifier_rank=0):
+                    tensor.data.copy_(state[name].to(dtype=tensor.dtype, device=tensor.device))
+        return load_dir, {}
+
+
 # --------------------------------------------------------------------------- files
 
 def _sha256(path: str) -> str:
@@ -167,12 +218,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _hash_all(paths) -> list:
+    """sha256 of each file, several at a time (hashlib releases the GIL: the engines' files hash in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = list(paths)
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
 def write_manifest(root: str) -> None:
     """fsync every file under ``root``, then write ``MANIFEST.json`` (size + sha256 of each) atomically."""
-    manifest = {}
-    for rel, path in _files(root):
+    files = list(_files(root))
+    for _, path in files:
         _fsync_file(path)
-        manifest[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    manifest = {rel: {"size": os.path.getsize(path), "sha256": digest}
+                for (rel, path), digest in zip(files, _hash_all(path for _, path in files))}
     for dirpath, _, _ in os.walk(root):
         _fsync_dir(dirpath)
     tmp = os.path.join(root, MANIFEST + ".tmp")
@@ -198,7 +259,9 @@ def verify_manifest(root: str) -> Optional[str]:
                 return f"missing file {rel}"
             if os.path.getsize(present[rel]) != meta["size"]:
                 return f"size mismatch in {rel}"
-            if _sha256(present[rel]) != meta["sha256"]:
+        names = sorted(manifest)
+        for rel, digest in zip(names, _hash_all(present[rel] for rel in names)):
+            if digest != manifest[rel]["sha256"]:
                 return f"checksum mismatch in {rel}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable manifest ({e})"
@@ -314,11 +377,14 @@ class CheckpointManager:
                 _fsync_dir(self.root)
                 for old in self.checkpoints()[self.max_checkpoints:]:
                     shutil.rmtree(old, ignore_errors=True)
-        except OSError as e:
+        except BaseException as e:
             if is_rank_0():
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise UserInputError(f"cannot write checkpoint {final}: {e.strerror or e} (the previous "
-                                 "checkpoints are kept; free some space or choose another --output_dir)") from e
+            if not is_write_failure(e):
+                raise
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise UserInputError(f"cannot write checkpoint {final}: {reason} (disk full, quota or read-only file "
+                                 "system?); the previous checkpoints are kept") from e
         barrier()
         return final
 
@@ -334,8 +400,9 @@ class CheckpointManager:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
         ``--save_interval`` steps, then the test-only kill hook."""
         if self.save_interval > 0 and step % self.save_interval == 0:
+            start = time.time()
             path = self.save(step, engines, trainer_state())
-            self.log(f"saved checkpoint {path}")
+            self.log(f"saved checkpoint {path} ({time.time() - start:.2f}s)")
         kill_point(step)
 
     # ------------------------------------------------------------------ load

@@ -24,15 +24,13 @@ class TrainLogger:
         self.rank0 = is_rank_0()
         self.writer = None
         self.metrics_file = None
+        self.metrics_dir = metrics_dir
         if not self.rank0:
             return
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(os.path.join(tensorboard_path, "ds_tensorboard_logs", name))
-        if metrics_dir:
-            os.makedirs(metrics_dir, exist_ok=True)
-            self.metrics_file = open(os.path.join(metrics_dir, "metrics.jsonl"), "a", buffering=1)
 
     def info(self, msg: str) -> None:
         if self.rank0:
@@ -59,6 +57,9 @@ class TrainLogger:
             for key, value in clean.items():
                 self.writer.add_scalar(f"{prefix}/{key}" if prefix else key, value, step)
             self.writer.flush()
+        if self.metrics_dir and self.metrics_file is None:  # opened on first use: a run that fails
+            os.makedirs(self.metrics_dir, exist_ok=True)  # during set-up leaves no output folder behind
+            self.metrics_file = open(os.path.join(self.metrics_dir, "metrics.jsonl"), "a", buffering=1)
         if self.metrics_file is not None:
             row = {"step": step, "phase": prefix, "time": round(time.time(), 3)}
             row.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})

@@ -153,6 +153,19 @@ def _fsync_tree(path: str) -> None:
             os.close(fd)
 
 
+def is_write_failure(e: BaseException) -> bool:
+    """Is ``e`` the file system refusing a write (disk full, quota, file-size limit, read-only)?
+
+    An :class:`OSError`, or the wrappers that torch's zip writer and safetensors put around one.
+    """
+    if isinstance(e, OSError):
+        return True
+    text = str(e)
+    if type(e).__name__ == "SafetensorError":
+        return "I/O error" in text
+    return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "inline_container" in text)
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str):
     """Write a folder atomically: yields a temporary sibling, renames it into place on success.
@@ -190,6 +203,7 @@ def atomic_directory(out_dir: str):
             os.replace(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, UserInputError):
-            raise UserInputError(f"cannot write output folder {out_dir}: {e}") from e
+        if is_write_failure(e):
+            raise UserInputError(f"cannot write output folder {out_dir}: {e} (disk full, quota or read-only "
+                                 "file system?)") from e
         raise

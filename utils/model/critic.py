@@ -213,10 +213,11 @@ def save_reward_model(model, tokenizer, output_dir: str, zero_stage: int = 0) ->
     """Write a step-2 folder (layout in the module docstring). Collective under ZeRO-3; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from utils.model.model_utils import gather_full_state_dict
+    from utils.model.model_utils import gather_full_state_dict, release_zero3_params
     from utils.module.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
     from utils.utils import atomic_directory, is_rank_0
 
+    release_zero3_params(model, zero_stage)
     model = model.module if hasattr(model, "module") else model
     has_lora = any(isinstance(m, LinearLayer_LoRA) for m in model.modules())
     if has_lora:

@@ -134,11 +134,23 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
+def release_zero3_params(engine, zero_stage: int) -> None:
+    """ZeRO-3: wait for and release the parameters DeepSpeed prefetched for a forward that never came.
+
+    After an evaluation pass the next layers' parameters can be left "in flight";
+    gathering them (saving, LoRA fusion) then fails with "Cannot partition a param in
+    flight" (seen with small-opt, 1 and 2 ranks). A no-op for other stages and plain modules.
+    """
+    if zero_stage == 3 and hasattr(engine, "empty_partition_cache"):
+        engine.empty_partition_cache()
+
+
 def gather_full_state_dict(model, zero_stage: int = 0) -> dict:
     """A CPU state dict with full tensors (ZeRO-3 partitions gathered); LoRA factors left out.
 
     Call on every rank (ZeRO-3 gathering is collective); non-zero ranks get ``{}``.
     """
+    release_zero3_params(model, zero_stage)
     model = _unwrap(model)
     state = {}
     if zero_stage == 3:
@@ -171,6 +183,7 @@ def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra
     Collective under ZeRO-3: call on every rank; only rank 0 writes.
     ``extra_files`` maps file names to text written beside the model.
     """
+    release_zero3_params(model, zero_stage)
     model = _unwrap(model)
     has_lora = any(isinstance(m, LinearLayer_LoRA) for m in model.modules())
     if has_lora:

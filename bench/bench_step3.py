@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Step-3 (PPO) throughput on CPU: samples/s, generation tokens/s and training TFLOPs.
+
+    .venv/bin/python bench/bench_step3.py                          # tiny-opt and small-opt, ~3-6 min on 2 cores
+    .venv/bin/python bench/bench_step3.py --models tiny-opt --steps 5 --batch 16
+
+For each built-in model the actor is the model itself and the critic/reward model is a
+``RewardModel`` on the same backbone saved as a step-2 folder (weights do not matter
+for speed; a random actor rarely emits EOS, so every answer has the full length).
+``step3_rlhf_finetuning/main.py`` then runs ``1 + --steps`` PPO steps with greedy
+generation (one rank, ZeRO 0, fp32); the first step pays for warm-up and is left
+out. Numbers are the means of the other steps' ``metrics.jsonl`` rows, computed by the
+trainer exactly as its throughput lines (DeepSpeed-Chat's formulas):
+
+* samples/s   = prompts / (experience time + training time)
+* gen tok/s   = prompts × generated tokens / generation time
+* train TFLOPs = (actor + critic training FLOPs) / training time
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+sys.path.insert(0, REPO)
+
+KEYS = ("samples_per_sec", "gen_tokens_per_sec", "train_tflops", "gen_tflops", "e2e_latency")
+
+
+def make_critic(model: str, out_dir: str) -> str:
+    """A step-2 folder holding a RewardModel on ``model``'s backbone."""
+    from utils.model.critic import create_critic_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(model)
+    save_reward_model(create_critic_model(model, tokenizer, None, num_padding_at_beginning=1), tokenizer, out_dir)
+    return out_dir
+
+
+def run_model(model: str, args, work: str) -> dict:
+    """Run step 3 on ``model``; the mean metrics of the steps after the first."""
+    from utils.model.tiny import resolve_model_path
+
+    actor = resolve_model_path(model)
+    critic = make_critic(model, os.path.join(work, f"{model}-critic"))
+    out = os.path.join(work, f"{model}-step3")
+    cmd = [sys.executable, os.path.join(REPO, "step3_rlhf_finetuning/main.py"),
+           "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
+           "--data_path", "builtin/preference", "--data_output_path", os.path.join(work, "data"),
+           "--output_dir", out, "--max_steps", str(args.steps + 1), "--num_warmup_steps", "0",
+           "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
+           "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+           "--dtype", "fp32", "--actor_learning_rate", "1e-5", "--critic_learning_rate", "1e-5"]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"step 3 on {model} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if '"phase": "train"' in line][1:]
+    result = {k: sum(r[k] for r in rows) / len(rows) for k in KEYS}
+    result.update(steps=len(rows), wall=time.time() - start)
+    return result
+
+
+def render(results: dict, args) -> str:
+    lines = [f"step 3 (PPO) on CPU ({os.cpu_count()} cores, 1 rank, ZeRO 0, fp32): {args.batch} prompts of "
+             f"{args.prompt_len} + {args.answer_len} tokens per step, mean of {args.steps} steps after 1 warm-up",
+             "",
+             "| model | samples/s | generation tokens/s | training TFLOPs | generation TFLOPs | s/step |",
+             "|---|---|---|---|---|---|"]
+    for model, r in results.items():
+        lines.append(f"| {model} | {r['samples_per_sec']:.2f} | {r['gen_tokens_per_sec']:.0f} | "
+                     f"{r['train_tflops']:.4f} | {r['gen_tflops']:.4f} | {r['e2e_latency']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-opt", "small-opt"])
+    parser.add_argument("--steps", type=int, default=3, help="Measured PPO steps (after one warm-up step).")
+    parser.add_argument("--batch", type=int, default=8, help="Prompts per step (generation = training batch).")
+    parser.add_argument("--prompt_len", type=int, default=32)
+    parser.add_argument("--answer_len", type=int, default=32)
+    args = parser.parse_args()
+    os.environ.setdefault("DSCHAT_HOME", os.path.join(REPO, ".cache", "dschat"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="bench_step3_") as work:
+        results = {model: run_model(model, args, work) for model in args.models}
+    print(render(results, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+#!/usr/bin/env python
+"""Step 3: RLHF fine-tuning of the step-1 actor with PPO against the step-2 reward model.
+
+    deepspeed main.py --actor_model_name_or_path out/actor --critic_model_name_or_path out/reward ...
+    python main.py --actor_model_name_or_path out/actor --critic_model_name_or_path out/reward \\
+        --data_path builtin/preference --output_dir out/step3 --max_prompt_seq_len 32 --max_answer_seq_len 24
+
+parse → distributed set-up → tokenizer → phase-3 prompts (+ unsupervised text) →
+:class:`DeepSpeedRLHFEngine` (actor, ref, EMA, critic, reward) → for every
+``--generation_batches`` prompt batches: generate experience, then ``--ppo_epochs`` of
+PPO (+ LM loss on the unsupervised text, + EMA update) → save ``actor/``, ``critic/``
+and ``actor_ema/`` under ``--output_dir``. Sequence lengths are ``--max_prompt_seq_len``
+and ``--max_answer_seq_len`` (the shared ``--max_seq_len`` is not used here).
+"""
+import argparse
+import math
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+
+import torch  # noqa: E402
+
+from utils.arguments import (SCHEDULERS, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
+                             add_rlhf_role_args, validate_common)
+from utils.errors import UserInputError  # noqa: E402
+from utils.utils import run_main  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Step 3: RLHF fine-tuning (PPO) of the step-1 actor "
+                                                 "against the step-2 reward model.")
+    add_data_args(parser)
+    g = parser.add_argument_group("step 3 data")
+    g.add_argument("--unsupervised_dataset_name", type=str, default=None,
+                   help="Text mixed into the actor's training (InstructGPT's PPO-ptx): a local .txt file or "
+                        "folder of .txt files, a .json/.jsonl/.parquet/.csv file, or a hub dataset name.")
+    g.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
+                   help="Configuration of a hub --unsupervised_dataset_name (e.g. wikitext-2-raw-v1).")
+    g.add_argument("--unsup_coef", type=float, default=27.8, help="γ of InstructGPT's Eq. 2: weight of the LM loss.")
+    g.add_argument("--preprocessing_num_workers", type=int, default=None,
+                   help="Accepted for compatibility (tokenisation here is one batched pass).")
+    g.add_argument("--max_prompt_seq_len", type=int, default=256,
+                   help="Prompts are left-padded to this; longer prompts are dropped (with a count).")
+    g.add_argument("--max_answer_seq_len", type=int, default=256, help="Tokens generated per answer (at most).")
+
+    g = parser.add_argument_group("models")
+    g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output (or any causal LM).")
+    g.add_argument("--critic_model_name_or_path", type=str, required=True,
+                   help="Step-2 output folder: initialises both critic and reward model.")
+    g.add_argument("--num_padding_at_beginning", type=int, default=1,
+                   help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
+    add_rlhf_role_args(parser, "actor", learning_rate=9.65e-6)
+    add_rlhf_role_args(parser, "critic", learning_rate=5e-6)
+
+    g = parser.add_argument_group("PPO")
+    g.add_argument("--per_device_generation_batch_size", type=int, default=16, help="Prompts per generation batch.")
+    g.add_argument("--per_device_training_batch_size", type=int, default=16, help="Micro batch of PPO training.")
+    g.add_argument("--generation_batches", type=int, default=1,
+                   help="Generation batches collected before each round of PPO training.")
+    g.add_argument("--ppo_epochs", type=int, default=1, help="Passes of PPO training over each round's experience.")
+    g.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the prompts.")
+    g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0 = no limit).")
+    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
+                   help="Learning-rate schedule.")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Micro batches per optimizer step.")
+    g.add_argument("--num_warmup_steps", type=int, default=100, help="Warm-up steps of the schedule.")
+    g.add_argument("--output_dir", type=str, default=None, help="Where actor/, critic/ and actor_ema/ are saved.")
+    g.add_argument("--seed", type=int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
+    g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient β.")
+    g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward-model scores are clipped to ±this.")
+    g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip ε of the actor loss.")
+    g.add_argument("--cliprange_value", type=float, default=0.2, help="Value clip of the critic loss.")
+    g.add_argument("--gamma", type=float, default=1.0, help="Discount γ.")
+    g.add_argument("--lam", type=float, default=0.95, help="GAE λ.")
+    g.add_argument("--only_optimize_lora", action="store_true", help="Train only the LoRA factors (critic: + v_head).")
+    g.add_argument("--enable_ema", action="store_true", help="Keep (and save) an EMA copy of the actor (β = 0.992).")
+    g.add_argument("--enable_mixed_precision_lora", action="store_true",
+                   help="Mixed-precision ZeRO++ for LoRA (needs --actor_lora_dim > 0 and --actor_zero_stage 3).")
+    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute losses in fp32 (with bf16/fp16).")
+    g.add_argument("--align_overflow", action="store_true",
+                   help="fp16: skip both actor and critic steps when either overflows.")
+
+    g = parser.add_argument_group("generation")
+    g.add_argument("--do_sample", action="store_true",
+                   help="Sample answers (exploration); default greedy, like DeepSpeed-Chat.")
+    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
+    g.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off; with --do_sample).")
+    g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
+    g.add_argument("--print_answers", action="store_true", help="Print prompts and answers during training.")
+    g.add_argument("--print_answers_interval", type=int, default=1, help="... every this many generation batches.")
+
+    add_deepspeed_args(parser)
+    g = parser.add_argument_group("hybrid engine and offload")
+    g.add_argument("--enable_hybrid_engine", action="store_true",
+                   help="DeepSpeed hybrid engine for the actor's generation (GPU only; plain generate on CPU).")
+    g.add_argument("--unpin_actor_parameters", action="store_true",
+                   help="Hybrid engine: unpin the actor's parameters during generation (less memory, slower).")
+    g.add_argument("--release_inference_cache", action="store_true",
+                   help="Hybrid engine: release the inference cache after generation.")
+    g.add_argument("--inference_tp_size", type=int, default=1,
+                   help="Hybrid engine: tensor-parallel degree of generation (needs --actor_zero_stage 3).")
+    g.add_argument("--tp_gather_partition_size", type=int, default=8,
+                   help="Hybrid engine: layers gathered at a time for tensor-parallel generation.")
+    g.add_argument("--offload_reference_model", action="store_true", help="ZeRO-Offload the reference (and EMA) model.")
+    g.add_argument("--offload_reward_model", action="store_true", help="ZeRO-Offload the reward model.")
+    add_logging_args(parser, tensorboard_path="step3_tensorboard")
+    return parser.parse_args(argv)
+
+
+def unsupervised_enabled(args) -> bool:
+    return bool(args.unsupervised_dataset_name)
+
+
+def validate_step3(args) -> None:
+    """DeepSpeed-Chat's step-3 checks (and a few more), as clear errors before anything is built."""
+    validate_common(args)
+    for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
+                 "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len", "print_answers_interval",
+                 "inference_tp_size"):
+        if getattr(args, name) < 1:
+            raise UserInputError(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    if args.inference_tp_size > 1 and args.actor_zero_stage != 3:
+        raise UserInputError("--inference_tp_size > 1 needs --actor_zero_stage 3 "
+                             "(tensor sharding in the hybrid engine)")
+    if args.inference_tp_size > 1 and not args.enable_hybrid_engine:
+        raise UserInputError("--inference_tp_size > 1 needs --enable_hybrid_engine")
+    if (args.actor_zero_stage == 2 and args.critic_zero_stage == 2 and args.enable_hybrid_engine and args.offload
+            and args.actor_lora_dim == 0):
+        raise UserInputError("actor and critic ZeRO-2 + --enable_hybrid_engine + --offload without LoRA is "
+                             "unsupported (training instability, as in DeepSpeed-Chat); use LoRA or another stage")
+    if args.enable_mixed_precision_lora and (args.actor_lora_dim <= 0 or args.actor_zero_stage != 3):
+        raise UserInputError("--enable_mixed_precision_lora needs --actor_lora_dim > 0 and --actor_zero_stage 3")
+    if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
+        raise UserInputError("--only_optimize_lora needs --actor_lora_dim > 0 or --critic_lora_dim > 0")
+    if args.unsupervised_dataset_config_name and not args.unsupervised_dataset_name:
+        raise UserInputError("--unsupervised_dataset_config_name needs --unsupervised_dataset_name")
+    if not math.isfinite(args.unsup_coef):
+        raise UserInputError(f"--unsup_coef must be finite, got {args.unsup_coef}")
+    if args.do_sample and not (args.temperature > 0 and 0 < args.top_p <= 1 and args.top_k >= 0):
+        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0")
+    for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise UserInputError(f"--{name} must be a finite number ≥ 0, got {getattr(args, name)}")
+
+
+def create_datasets(args, tokenizer, log):
+    """(prompt loader, unsupervised loader or None, PPO steps, total optimizer steps of each model)."""
+    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
+    from utils.data.unsupervised import get_unsupervised_data
+    from utils.utils import get_world_size
+
+    prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
+                                       args.seed, tokenizer, args.max_prompt_seq_len,
+                                       end_of_conversation_token=args.eot_token, log=log.info)
+
+    def loader(dataset, batch_size, **kw):
+        sampler = (DistributedSampler(dataset, seed=args.seed) if get_world_size() > 1
+                   else RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed)))
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw)
+
+    prompt_loader = loader(prompts, args.per_device_generation_batch_size,
+                           collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
+    batches = len(prompt_loader)
+    unsup_loader = None
+    if unsupervised_enabled(args):
+        text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
+                                     args.max_prompt_seq_len + args.max_answer_seq_len, log=log.info)
+        unsup_loader = loader(text, args.per_device_generation_batch_size, drop_last=True)
+        batches = min(batches, len(unsup_loader))
+        if batches == 0:
+            raise UserInputError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: {len(text)} "
+                                 f"blocks, fewer than one batch of {args.per_device_generation_batch_size}")
+    steps_per_epoch = batches // args.generation_batches
+    if steps_per_epoch == 0:
+        raise UserInputError(f"{len(prompts)} phase-3 prompts per rank give {batches} generation batches, fewer than "
+                             f"--generation_batches {args.generation_batches}")
+    ppo_steps = args.num_train_epochs * steps_per_epoch
+    if args.max_steps:
+        ppo_steps = min(ppo_steps, args.max_steps)
+    micro_batches = math.ceil(args.per_device_generation_batch_size * args.generation_batches
+                              / args.per_device_training_batch_size)
+    total_iters = max(1, math.ceil(ppo_steps * micro_batches * args.ppo_epochs / args.gradient_accumulation_steps))
+    return prompt_loader, unsup_loader, ppo_steps, total_iters
+
+
+def check_critic_folder(name_or_path: str) -> None:
+    """Fail fast (before any model is built) when the critic folder is not a step-2 output."""
+    from utils.model.critic import WEIGHTS_FILE, check_reward_model_folder, read_marker
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    folder = check_reward_model_folder(resolve_model_name_or_path(name_or_path))
+    weights = os.path.join(folder, WEIGHTS_FILE)
+    if read_marker(folder) is None and os.path.isfile(weights):
+        from safetensors import safe_open
+
+        with safe_open(weights, framework="pt") as f:
+            if "v_head.weight" not in f.keys():
+                raise UserInputError(f"--critic_model_name_or_path {name_or_path}: {folder} is not a step-2 reward "
+                                     "model folder (no value head; is it a step-1 / plain HF folder?)")
+
+
+def parameter_checksum(engine, zero_stage: int) -> float:
+    """Σ|θ| + Σθ² over a model's parameters (float64; ZeRO-3 partitions summed across ranks)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in engine.module.parameters():
+        data = p.ds_tensor if zero_stage == 3 and hasattr(p, "ds_tensor") else p
+        data = data.detach().double().cpu()
+        total += data.abs().sum() + data.pow(2).sum()
+    if zero_stage == 3 and torch.distributed.is_initialized():
+        total = total.to(next(engine.module.parameters()).device)
+        torch.distributed.all_reduce(total)
+    return float(total)
+
+
+def train_on_experience(trainer, exp_dataset, unsup_dataset, args) -> dict:
+    """``--ppo_epochs`` passes over one round's micro-batches; mean losses and trained-row counts (this rank)."""
+    actor_sum = critic_sum = unsup_sum = 0.0
+    iters = actor_rows = critic_rows = 0
+    paired = unsup_dataset if unsup_dataset is not None else [None] * len(exp_dataset)
+    for _ in range(args.ppo_epochs):
+        for exp, unsup in zip(exp_dataset, paired):
+            actor_loss, critic_loss = trainer.train_rlhf(exp)
+            actor_sum, critic_sum = actor_sum + actor_loss.item(), critic_sum + critic_loss.item()
+            rows = exp["input_ids"].shape[0]
+            actor_rows, critic_rows = actor_rows + rows, critic_rows + rows
+            if unsup is not None:
+                unsup_sum += trainer.train_unsupervised(unsup, args.unsup_coef).item()
+                actor_rows += unsup["input_ids"].shape[0]
+            trainer.update_ema()
+            iters += 1
+        random.shuffle(exp_dataset)
+        if unsup_dataset is not None:
+            random.shuffle(unsup_dataset)
+    return {"actor_loss": actor_sum / iters, "critic_loss": critic_sum / iters, "unsup_loss": unsup_sum / iters,
+            "actor_rows": actor_rows, "critic_rows": critic_rows}
+
+
+def all_reduce_stats(stats: dict, losses: dict) -> dict:
+    """Rank-averaged step metrics from per-rank experience sums and losses."""
+    from utils.utils import get_all_reduce_mean
+
+    keys = ("kept", "reward_sum", "kl_sum", "answer_len_sum")
+    values = torch.tensor([float(stats[k]) for k in keys] + [losses["actor_loss"], losses["critic_loss"],
+                                                              losses["unsup_loss"]], dtype=torch.float64)
+    device = stats["kept"].device if torch.is_tensor(stats["kept"]) else "cpu"
+    mean = get_all_reduce_mean(values.to(device)).cpu().tolist()
+    kept, reward, kl, length, actor, critic, unsup = mean
+    kept = max(kept, 1e-12)
+    return {"reward": reward / kept, "kl": kl / kept, "answer_len": length / kept, "actor_loss": actor,
+            "critic_loss": critic, "unsup_loss": unsup}
+
+
+def throughput_constants(args, engine) -> dict:
+    """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference) and model sizes."""
+    from utils.perf import count_parameters, model_shape
+
+    constants = {"bytes_per_param": 4 if args.dtype == "fp32" else 2}
+    for role, model in (("actor", engine.actor.module), ("critic", engine.critic.module)):
+        factor = 4.0 if getattr(args, f"{role}_gradient_checkpointing") else 3.0
+        lora_dim = getattr(args, f"{role}_lora_dim")
+        if lora_dim > 0:
+            factor -= 1 - 2 * lora_dim / model_shape(model.config)[1]
+        constants.update({f"{role}_factor": factor, f"{role}_params": count_parameters(model)})
+    return constants
+
+
+def _add_stats(total: dict | None, new: dict) -> dict:
+    return dict(new) if total is None else {k: total[k] + new[k] for k in total}
+
+
+def main(args):
+    from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
+                                                   ExponentialMovingAverage, MiniDataset, step3_throughput,
+                                                   summarize_experience, throughput_lines)
+    from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
+    from utils.compat import check_zero_combination
+    from utils.errors import check_finite
+    from utils.logger import TrainLogger
+    from utils.model.critic import save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer, save_hf_format
+    from utils.utils import get_world_size, init_distributed, on_cpu, resolve_dtype, set_random_seed, to_device
+
+    # ---- set-up: checks, distributed, precision
+    validate_step3(args)
+    check_zero_combination(args)
+    check_critic_folder(args.critic_model_name_or_path)
+    device = init_distributed(args)
+    resolve_dtype(args)
+    mixing = unsupervised_enabled(args)
+    args.gradient_accumulation_steps_actor = args.gradient_accumulation_steps * (2 if mixing else 1)
+    set_random_seed(args.seed)
+    log = TrainLogger("step3_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    if args.enable_hybrid_engine and on_cpu():
+        log.warning("--enable_hybrid_engine: DeepSpeed's hybrid engine cannot run on CPU; "
+                    "generating with plain Hugging Face generate instead")
+        args.enable_hybrid_engine = False
+    if args.align_overflow and args.dtype != "fp16":
+        log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
+        args.align_overflow = False
+
+    # ---- tokenizer, data, models
+    eot = args.eot_token if args.add_eot_token else None
+    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, add_special_tokens=eot)
+    prompt_loader, unsup_loader, ppo_steps, total_iters = create_datasets(args, tokenizer, log)
+    engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
+                                 num_total_iters=total_iters)
+    trainer = (DeepSpeedPPOTrainerUnsupervised if mixing else DeepSpeedPPOTrainer)(engine, args, log.info)
+    ref_checksum = parameter_checksum(engine.ref, args.actor_zero_stage)
+    exp_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
+    unsup_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
+
+    perf_constants = throughput_constants(args, engine)
+
+    # ---- train
+    log.info(f"***** Running PPO: {ppo_steps} PPO steps, {total_iters} optimizer steps per model, "
+             f"unsupervised mixing {'on' if mixing else 'off'} *****")
+    ema_reward = ExponentialMovingAverage()
+    history, ppo_step, gen_step, dropped_logged = [], 0, 0, 0
+    stats = timing = None
+    for epoch in range(args.num_train_epochs):
+        for loader in (prompt_loader, unsup_loader):
+            if loader is not None and hasattr(loader.sampler, "set_epoch"):
+                loader.sampler.set_epoch(epoch)
+        batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
+        total = min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader)
+        for batch_prompt, batch_unsup in log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total):
+            gen_step += 1
+            batch_prompt = to_device(batch_prompt, device)
+            exp = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], gen_step)
+            step_time = {"experience": trainer.experience_time, "generate": trainer.generate_time,
+                         "tokens": trainer.generated_tokens, "sequences": batch_prompt["prompt"].shape[0]}
+            timing = _add_stats(timing, step_time)
+            if exp is None:
+                log.warning(f"generation batch {gen_step}: every answer had ≤ 1 token; skipped "
+                            f"({trainer.dropped_total} answers dropped so far)")
+                continue
+            stats = _add_stats(stats, summarize_experience(exp))
+            exp_dataset = exp_mini.add(exp)
+            unsup_dataset = unsup_mini.add(to_device(batch_unsup, device)) if mixing else None
+            if exp_dataset is None:
+                continue
+
+            # ---- one PPO step on the collected experience
+            ppo_step += 1
+            train_start = time.time()
+            losses = train_on_experience(trainer, exp_dataset, unsup_dataset, args)
+            train_time = time.time() - train_start
+            metrics = all_reduce_stats(stats, losses)
+            check_finite(ppo_step, actor_loss=metrics["actor_loss"], critic_loss=metrics["critic_loss"],
+                         unsupervised_loss=metrics["unsup_loss"], average_reward=metrics["reward"], kl=metrics["kl"])
+            metrics["ema_reward"] = ema_reward.update(metrics["reward"])
+            metrics["dropped"], dropped_logged = trainer.dropped_total - dropped_logged, trainer.dropped_total
+            metrics["dropped_total"] = trainer.dropped_total
+            perf = step3_throughput(
+                engine.actor.module.config, engine.critic.module.config, experience_time=timing["experience"],
+                generate_time=timing["generate"], train_time=train_time, sequences=timing["sequences"],
+                seq_length=args.max_prompt_seq_len + args.max_answer_seq_len, answer_length=args.max_answer_seq_len,
+                generated_tokens=timing["tokens"] // args.generation_batches,
+                actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
+                world_size=get_world_size(), **perf_constants)
+            history.append(metrics)
+            log.info(f"Epoch: {epoch} | Step: {ppo_step} | Actor Loss: {metrics['actor_loss']:.4f} | "
+                     f"Critic Loss: {metrics['critic_loss']:.4f} | Unsupervised Loss: {metrics['unsup_loss']:.4f} | "
+                     f"Average reward: {metrics['reward']:.4f} | EMA reward: {metrics['ema_reward']:.4f} | "
+                     f"KL: {metrics['kl']:.4f} | answer length: {metrics['answer_len']:.1f} | "
+                     f"dropped: {metrics['dropped']:.0f}")
+            if ppo_step == 1 or ppo_step % 10 == 0 or ppo_step == ppo_steps:
+                for line in throughput_lines(perf):
+                    log.info(line)
+            log.scalars(ppo_step, "train", **metrics, actor_lr=engine.actor.get_lr()[0],
+                        critic_lr=engine.critic.get_lr()[0],
+                        **{k: perf[k] for k in ("e2e_latency", "gen_latency", "train_latency", "e2e_tflops",
+                                                "gen_tflops", "train_tflops", "samples_per_sec",
+                                                "gen_tokens_per_sec")})
+            stats = timing = None
+            if args.max_steps and ppo_step >= args.max_steps:
+                break
+        if args.max_steps and ppo_step >= args.max_steps:
+            break
+
+    # ---- summary
+    ref_unchanged = parameter_checksum(engine.ref, args.actor_zero_stage) == ref_checksum
+    result = {"steps": ppo_step, "dropped_total": trainer.dropped_total, "ref_unchanged": ref_unchanged}
+    if history:
+        first, last = history[0], history[-1]
+        n = max(1, min(10, len(history) // 4))
+        head, tail = (sum(m["reward"] for m in part) / n for part in (history[:n], history[-n:]))
+        log.info(f"average reward: first step {first['reward']:.4f} -> last step {last['reward']:.4f}")
+        log.info(f"average reward: mean of the first {n} steps {head:.4f} -> of the last {n} steps {tail:.4f}")
+        log.info(f"mean KL to the reference at the last step: {last['kl']:.4f}; reference model unchanged: "
+                 f"{ref_unchanged}")
+        result.update(reward_start=first["reward"], reward_end=last["reward"], reward_ema=last["ema_reward"],
+                      reward_start_mean=head, reward_end_mean=tail,
+                      kl_end=last["kl"], actor_loss=last["actor_loss"], critic_loss=last["critic_loss"],
+                      unsup_loss=last["unsup_loss"])
+    else:
+        log.warning("no PPO step ran (every generated answer was dropped); the models are unchanged")
+    log.scalars(ppo_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=trainer.dropped_total,
+                reward_start=result.get("reward_start"), reward_end=result.get("reward_end"),
+                reward_start_mean=result.get("reward_start_mean"), reward_end_mean=result.get("reward_end_mean"))
+
+    # ---- save
+    if args.output_dir is not None:
+        log.info(f"saving actor/, critic/{' and actor_ema/' if engine.actor_ema else ''} to {args.output_dir}")
+        save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage)
+        save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
+        if engine.actor_ema is not None:
+            save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
+                           args.actor_zero_stage)
+    log.close()
+    return result
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())

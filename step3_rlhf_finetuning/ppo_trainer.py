@@ -1,0 +1,380 @@
+"""PPO for RLHF: generate experience with the actor, then train actor and critic on it.
+
+All math comes from :mod:`utils.rl_math`; this module only moves tensors between the
+models. Shapes: ``B`` sequences, prompt length ``P`` (left padded), answer length ``A``
+(``--max_answer_seq_len``), ``T = P + A``; per-action tensors have ``T − 1`` columns
+(action ``t`` emits token ``t + 1``, the first answer action is ``start = P − 1``).
+
+One experience (a dict of batch-first tensors, so :class:`MiniDataset` can slice it):
+
+=================  =========  ================================================================
+key                shape      meaning
+=================  =========  ================================================================
+prompts            [B, P]     the left-padded prompts
+input_ids          [B, T]     prompt + answer, right padded with the pad id
+attention_mask     [B, T]     prompt mask from the collator + the answer up to its first EOS
+action_mask        [B, T−1]   1 for answer actions incl. the EOS action; 0 for dropped rows
+logprobs           [B, T−1]   log π_old(action) (actor, no dropout, at generation time)
+ref_logprobs       [B, T−1]   log π_ref(action)
+value              [B, T−1]   critic values V_old of the state before each action
+rewards            [B]        reward-model score of the answer
+valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
+answer_len         [B]        real answer tokens (before the first EOS)
+=================  =========  ================================================================
+
+Dropped answers stay in the batch with an all-zero action mask: they add nothing to
+any loss or statistic, and every rank keeps the same number of micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from utils.rl_math import (actor_loss, answer_action_mask, approx_kl, causal_lm_loss, count_real_answer_tokens,
+                           critic_loss, ema_update, gae_advantages_and_returns, gather_log_probs,
+                           kl_penalized_rewards, sequence_action_mask)
+from utils.utils import get_all_reduce_mean, get_world_size
+
+
+class MiniDataset:
+    """Collects ``max_size`` large batches, then cuts them into micro-batches of ``small_batch_size``.
+
+    ``add(batch)`` returns None until the ``max_size``-th batch arrives, then the list of
+    micro-batches (and empties itself). A batch is a dict / list / tuple of batch-first
+    tensors (or lists), or a single tensor.
+    """
+
+    def __init__(self, max_size: int, small_batch_size: int):
+        self.dataset = []
+        self.max_size = max_size
+        self.small_batch_size = small_batch_size
+
+    @staticmethod
+    def _size(batch) -> int:
+        if isinstance(batch, dict):
+            return len(next(iter(batch.values())))
+        if isinstance(batch, (list, tuple)):
+            return len(batch[0])
+        return len(batch)
+
+    def _slice(self, batch, i: int):
+        s = slice(i, i + self.small_batch_size)
+        if isinstance(batch, dict):
+            return {k: v[s] for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return [x[s] for x in batch]
+        return batch[s]
+
+    def separate(self) -> list:
+        small = [self._slice(batch, i) for batch in self.dataset
+                 for i in range(0, self._size(batch), self.small_batch_size)]
+        self.free()
+        return small
+
+    def add(self, data):
+        if len(self.dataset) >= self.max_size:
+            raise ValueError("MiniDataset is full: separate() should have emptied it")
+        self.dataset.append(data)
+        return self.separate() if len(self.dataset) == self.max_size else None
+
+    def free(self) -> None:
+        self.dataset = []
+
+
+class ExponentialMovingAverage:
+    """The reference's reward EMA: ``ema ← α·ema + (1−α)·x`` (first value taken as is)."""
+
+    def __init__(self, alpha: float = 0.9):
+        self.alpha, self.ema = alpha, None
+
+    def update(self, value: float) -> float:
+        prev = value if self.ema is None else self.ema
+        self.ema = self.alpha * prev + (1.0 - self.alpha) * value
+        return self.ema
+
+    def get(self) -> float:
+        return 0.0 if self.ema is None else self.ema
+
+
+@contextlib.contextmanager
+def deterministic(*modules):
+    """Put ``modules`` in eval mode (no dropout) for the block, then restore their modes.
+
+    Used for the experience forwards: the engines stay in train mode (so a hybrid
+    engine uses its training modules, as in the reference) while dropout is off, so
+    log π_old and V_old are exact.
+    """
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def pad_to_length(seq: torch.Tensor, length: int, pad_token_id: int) -> torch.Tensor:
+    """Right-pad ``seq [B, T]`` with ``pad_token_id`` to ``[B, length]`` (``T ≤ length``)."""
+    if seq.shape[1] >= length:
+        return seq[:, :length]
+    pad = seq.new_full((seq.shape[0], length - seq.shape[1]), pad_token_id)
+    return torch.cat([seq, pad], dim=1)
+
+
+def summarize_experience(exp: dict) -> dict:
+    """Per-rank sums for logging: kept rows, and reward, KL and answer-length sums over kept rows."""
+    valid = exp["valid"].float()
+    kl = approx_kl(exp["logprobs"], exp["ref_logprobs"], exp["action_mask"])
+    return {"kept": valid.sum(), "reward_sum": (exp["rewards"].float() * valid).sum(),
+            "kl_sum": (kl.float() * valid).sum(), "answer_len_sum": (exp["answer_len"].float() * valid).sum()}
+
+
+class DeepSpeedPPOTrainer:
+    """PPO on a :class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine` (or anything with the same fields).
+
+    PPO constants come from ``args``: ``kl_ctl``, ``clip_reward_value``, ``cliprange``,
+    ``cliprange_value``, ``gamma``, ``lam``; generation from ``max_answer_seq_len``,
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``.
+    """
+
+    def __init__(self, rlhf_engine, args, log=None):
+        from utils.utils import print_rank_0
+
+        self.log = log or print_rank_0  # main passes its TrainLogger's info
+        self.rlhf_engine = rlhf_engine
+        self.actor_model = rlhf_engine.actor
+        self.critic_model = rlhf_engine.critic
+        self.ref_model = rlhf_engine.ref
+        self.reward_model = rlhf_engine.reward
+        self.tokenizer = rlhf_engine.tokenizer
+        self.args = args
+        self.max_answer_seq_len = args.max_answer_seq_len
+        self.pad_token_id = self.tokenizer.pad_token_id
+        self.eos_token_id = end_of_answer_token_id(self.tokenizer, args)
+        self.z3_enabled = args.actor_zero_stage == 3
+        self.hybrid_engine = getattr(args, "enable_hybrid_engine", False)
+        self.compute_fp32_loss = getattr(args, "compute_fp32_loss", False)
+        # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
+        self.temperature = args.temperature if getattr(args, "do_sample", False) else 1.0
+        self.dropped_total = 0  # answers dropped so far, all ranks
+        # timing of the last generate_experience call (seconds; tokens actually generated per row)
+        self.generate_time = self.experience_time = 0.0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ experience
+
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        """``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id."""
+        args = self.args
+        kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len, pad_token_id=self.pad_token_id,
+                      eos_token_id=self.eos_token_id, synced_gpus=self.z3_enabled, use_cache=True,
+                      do_sample=bool(getattr(args, "do_sample", False)))
+        if kwargs["do_sample"]:
+            kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        else:
+            kwargs.update(temperature=None, top_k=None, top_p=None)
+        generator = self.actor_model if self.hybrid_engine else self.actor_model.module
+        with torch.no_grad():
+            seq = generator.generate(prompts, **kwargs)
+        self.generated_tokens = seq.shape[1] - prompts.shape[1]
+        return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id)
+
+    def _print_answers(self, prompts, answers, step: int) -> None:
+        args = self.args
+        if getattr(args, "print_answers", False) and step % max(args.print_answers_interval, 1) == 0:
+            decode = self.tokenizer.batch_decode
+            self.log(f"--- prompt --> step={step}, {decode(prompts, skip_special_tokens=True)}")
+            self.log(f"--- ans    --> step={step}, {decode(answers, skip_special_tokens=True)}")
+
+    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int):
+        """Generate answers for ``prompts [B, P]`` and score them; the experience dict (module docstring).
+
+        Answers with ≤ 1 real token (before the first EOS) are dropped (masked out and
+        counted in ``self.dropped_total``). Returns None when every answer on every rank
+        was dropped: the caller skips the step.
+        """
+        start = time.time()
+        self.eval()
+        seq = self._generate_sequence(prompts, mask, step)
+        self.generate_time = time.time() - start
+        self.train()
+
+        P = prompts.shape[1]
+        answers = seq[:, P:]
+        self._print_answers(prompts, answers, step)
+        answer_len = count_real_answer_tokens(answers, self.eos_token_id)
+        valid = (answer_len > 1).long()
+        counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
+        kept, dropped = (int(round(c)) for c in counts.tolist())
+        self.dropped_total += dropped
+        if kept == 0:  # the same on every rank: all skip the step
+            self.experience_time = time.time() - start
+            return None
+
+        attention_mask = torch.cat([mask.long(), answer_action_mask(answers, self.eos_token_id)], dim=1)
+        action_mask = sequence_action_mask(seq, P, self.pad_token_id, self.eos_token_id) * valid[:, None]
+        with torch.no_grad(), deterministic(self.actor_model.module, self.critic_model.module):
+            logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
+            ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
+            reward = self.reward_model.forward_value(seq, attention_mask, prompt_length=P)["chosen_end_scores"]
+            values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+        self.experience_time = time.time() - start
+        return {"prompts": prompts, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask,
+                "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values.float().detach(),
+                "rewards": reward.float().detach(), "valid": valid, "answer_len": answer_len}
+
+    def _action_log_probs(self, model, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T−1]`` log-probs of the taken actions ``seq[:, 1:]`` under ``model`` (at the sampling temperature)."""
+        logits = model(seq, attention_mask=attention_mask, use_cache=False).logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return gather_log_probs(logits[:, :-1], seq[:, 1:])
+
+    # ------------------------------------------------------------------ training
+
+    def compute_rewards(self, exp: dict) -> torch.Tensor:
+        """``[B, T−1]`` per-action rewards: −kl_ctl·(logπ_old − logπ_ref), clipped score on the last action."""
+        return kl_penalized_rewards(exp["logprobs"], exp["ref_logprobs"], exp["rewards"], exp["action_mask"],
+                                    self.args.kl_ctl, self.args.clip_reward_value)
+
+    def train_rlhf(self, inputs: dict):
+        """One PPO update of actor and critic on an experience micro-batch; returns (actor_loss, critic_loss)."""
+        args = self.args
+        seq, attention_mask, action_mask = inputs["input_ids"], inputs["attention_mask"], inputs["action_mask"]
+        start = inputs["prompts"].shape[1] - 1
+        old_values = inputs["value"]
+        with torch.no_grad():
+            rewards = self.compute_rewards(inputs)
+            advantages, returns = gae_advantages_and_returns(old_values, rewards, action_mask, args.gamma, args.lam,
+                                                             start)
+        mask = action_mask[:, start:]
+
+        logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
+        policy_loss = actor_loss(logprobs[:, start:], inputs["logprobs"][:, start:], advantages, mask, args.cliprange)
+        self.actor_model.backward(policy_loss)
+        if not args.align_overflow:
+            self.actor_model.step()
+
+        values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+        value_loss = critic_loss(values[:, start:], old_values[:, start:], returns, mask, args.cliprange_value)
+        self.critic_model.backward(value_loss)
+        if args.align_overflow:
+            self._align_overflow()
+            self.actor_model.step()
+        self.critic_model.step()
+        return policy_loss.detach(), value_loss.detach()
+
+    def _align_overflow(self) -> None:
+        """fp16: skip both optimizer steps when either model's gradients overflowed (``--align_overflow``)."""
+        actor_overflow = self.actor_model.optimizer.check_overflow(external=True)
+        critic_overflow = self.critic_model.optimizer.check_overflow(external=True)
+        if actor_overflow and not critic_overflow:
+            self.critic_model.optimizer.skip_step = True
+        elif critic_overflow and not actor_overflow:
+            self.actor_model.optimizer.skip_step = True
+        if actor_overflow or critic_overflow:
+            self.log(f"OVERFLOW (actor: {actor_overflow}, critic: {critic_overflow}): "
+                         "skipping both actor and critic steps")
+
+    def update_ema(self, beta: float = 0.992) -> None:
+        """θ_ema ← β·θ_ema + (1−β)·θ_actor (ZeRO-3 parameters gathered; the update is kept)."""
+        ema = self.rlhf_engine.actor_ema
+        if ema is None:
+            return
+        params, ema_params = list(self.actor_model.module.parameters()), list(ema.module.parameters())
+        if not self.z3_enabled:
+            ema_update(ema_params, params, beta)
+            return
+        import deepspeed
+
+        from utils.model.model_utils import release_zero3_params
+
+        release_zero3_params(self.actor_model, 3)  # nothing may be left in flight before gathering
+        for param, ema_param in zip(params, ema_params, strict=True):
+            with deepspeed.zero.GatheredParameters([param, ema_param], modifier_rank=0):
+                ema_update([ema_param], [param], beta)
+
+    def train(self) -> None:
+        self.actor_model.train()
+        self.critic_model.train()
+
+    def eval(self) -> None:
+        for model in (self.actor_model, self.critic_model, self.ref_model, self.reward_model):
+            model.eval()
+
+
+class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
+    """PPO plus the actor's LM loss on unsupervised text (``--unsupervised_dataset_name``)."""
+
+    def train_unsupervised(self, inputs: dict, unsup_coef: float) -> torch.Tensor:
+        """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}``; returns the (unscaled) loss."""
+        logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                  use_cache=False).logits
+        loss = causal_lm_loss(logits, inputs["labels"], self.compute_fp32_loss)
+        self.actor_model.backward(unsup_coef * loss)
+        self.actor_model.step()
+        return loss.detach()
+
+
+# ---------------------------------------------------------------------- helpers
+
+def end_of_answer_token_id(tokenizer, args) -> int:
+    """The token that ends an answer: ``--eot_token`` when it was added as a special token, else EOS."""
+    if getattr(args, "add_eot_token", False):
+        ids = tokenizer.convert_tokens_to_ids([args.eot_token])
+        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
+            return int(ids[0])
+    return int(tokenizer.eos_token_id)
+
+
+def step3_throughput(actor_config, critic_config, *, experience_time: float, generate_time: float,
+                     train_time: float, sequences: int, seq_length: int, answer_length: int, generated_tokens: int,
+                     actor_train_samples: int, critic_train_samples: int, world_size: int = 1,
+                     actor_factor: float = 3.0, critic_factor: float = 3.0, actor_params: int = 0,
+                     critic_params: int = 0, bytes_per_param: int = 4) -> dict:
+    """DeepSpeed-Chat's step-3 numbers for one PPO step (per rank counts, ``world_size`` ranks).
+
+    ``sequences``: experiences generated (all generation batches); ``actor_train_samples``
+    / ``critic_train_samples``: rows each model was trained on (× PPO epochs; the actor's
+    count includes unsupervised rows — the reference used a batch of 2 there).
+    End-to-end time = experience time (generation + scoring) + training time.
+    """
+    from utils.perf import transformer_flops
+
+    e2e_time = experience_time + train_time
+    train_flops = (transformer_flops(actor_config, actor_train_samples, seq_length, actor_factor)
+                   + transformer_flops(critic_config, critic_train_samples, seq_length, critic_factor))
+    gen_flops = transformer_flops(actor_config, sequences, seq_length, 1)
+    per_token = generate_time / max(generated_tokens, 1)
+    tera = 1e12 * world_size
+    return {
+        "e2e_latency": e2e_time, "gen_latency": generate_time, "train_latency": train_time,
+        "e2e_tflops": (train_flops + gen_flops) * world_size / (max(e2e_time, 1e-9) * tera),
+        "gen_tflops": gen_flops * world_size / (max(generate_time, 1e-9) * tera),
+        "train_tflops": train_flops * world_size / (max(train_time, 1e-9) * tera),
+        "samples_per_sec": sequences * world_size / max(e2e_time, 1e-9),
+        "gen_tokens_per_sec": sequences * world_size * generated_tokens / max(generate_time, 1e-9),
+        "per_token_latency_ms": per_token * 1000,
+        "gen_bandwidth_gbs": actor_params * bytes_per_param / max(per_token, 1e-9) / 1e9,
+        "sequences": sequences * world_size, "seq_length": seq_length, "answer_length": answer_length,
+        "actor_params_b": actor_params / 1e9, "critic_params_b": critic_params / 1e9,
+    }
+
+
+def throughput_lines(t: dict) -> list:
+    """The reference's four step-3 throughput lines from :func:`step3_throughput`'s dict."""
+    return [
+        f"End-to-End => Latency: {t['e2e_latency']:.2f}s, TFLOPs: {t['e2e_tflops']:.4f}, "
+        f"Samples/sec: {t['samples_per_sec']:.2f}, Time/seq {t['e2e_latency'] / max(t['sequences'], 1):.3f}s, "
+        f"Batch Size: {t['sequences']}, Total Seq. Length: {t['seq_length']}",
+        f"Generation => Latency: {t['gen_latency']:.2f}s, Per-token Latency {t['per_token_latency_ms']:.2f} ms, "
+        f"TFLOPs: {t['gen_tflops']:.4f}, BW: {t['gen_bandwidth_gbs']:.2f} GB/sec, "
+        f"Tokens/sec: {t['gen_tokens_per_sec']:.1f}, Answer Seq. Length: {t['answer_length']}",
+        f"Training   => Latency: {t['train_latency']:.2f}s, TFLOPs: {t['train_tflops']:.4f}",
+        f"Actor Model Parameters => {t['actor_params_b']:.3f} B, "
+        f"Critic Model Parameters => {t['critic_params_b']:.3f} B",
+    ]
+

@@ -1,0 +1,249 @@
+"""Bad input, across the entry points and the data / output layers: each kind ends with ONE
+clear ``error:`` line naming the culprit, exit code 2, no traceback and no partial output.
+
+Two tables:
+
+* ``CLI_CASES`` run the real entry points in subprocesses (started together, a few at
+  a time). All but the disk-full case fail in the pre-flight checks
+  (:mod:`utils.preflight`, argument validation), before DeepSpeed or any model is set
+  up, so the output folder must not exist afterwards.
+* ``test_*`` functions below check the layers directly (UserInputError and its message).
+
+Kinds covered elsewhere and not repeated here: malformed JSON / missing column / unknown
+dataset / bad ``--data_split`` through step 1's CLI (tests/test_step1.py); wrong types,
+empty files, unsupported files, missing paths in the data layer (tests/test_raw_datasets.py);
+non-existent / config-only model folders (tests/test_model_utils.py); a step-1 folder
+loaded as a reward model (tests/test_reward_model.py); step 3's flag combinations at the
+function level (tests/test_ppo_trainer.py); ZeRO/offload/dtype combinations
+(tests/test_zero_matrix.py); a checkpoint from another configuration, a failing
+checkpoint write (tests/test_checkpoint.py).
+"""
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import REPO
+from utils.errors import UserInputError
+
+STEP1 = "step1_supervised_finetuning/main.py"
+STEP2 = "step2_reward_model_finetuning/main.py"
+DPO = "step2_dpo_finetuning/main.py"
+STEP3 = "step3_rlhf_finetuning/main.py"
+TINY = ["--model_name_or_path", "tiny-opt", "--max_seq_len", "64", "--data_path", "builtin/preference-small"]
+STEP3_MODELS = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "{rm}",
+                "--data_path", "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8"]
+ONE_AND_A_HALF_MB = 1_500_000
+
+# name: (entry point, arguments, files to write {name: text}, fragments of the error line, options)
+# placeholders: {dir} = the case's folder, {rm} = a real step-2 folder (built once)
+CLI_CASES = {
+    "negative_save_interval": (STEP1, [*TINY, "--save_interval", "-1"], {}, ["--save_interval must be ≥ 0"], {}),
+    "resume_without_checkpoint": (STEP1, [*TINY, "--resume"], {}, ["--resume: no checkpoint in", "checkpoints"], {}),
+    "missing_model_folder": (STEP1, ["--model_name_or_path", "{dir}/no-such-model", "--data_path",
+                                     "builtin/preference-small"], {}, ["no-such-model", "no such folder"], {}),
+    "reward_folder_as_sft_model": (STEP1, ["--model_name_or_path", "{rm}", "--data_path", "builtin/preference-small"],
+                                   {}, ["--model_name_or_path", "step-2 reward model folder"], {}),
+    "output_dir_below_a_file": (STEP1, [*TINY], {"afile": "x"}, ["--output_dir", "afile is a file, not a folder"],
+                                {"out": "{dir}/afile/out"}),
+    "zero_share_for_this_phase": (STEP1, [*TINY, "--data_split", "0,5,5"], {},
+                                  ["--data_split 0,5,5", "phase 1", "is 0"], {}),
+    "empty_data_file": (STEP2, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/empty.jsonl"],
+                        {"empty.jsonl": ""}, ["empty.jsonl", "empty"], {}),
+    "unknown_dataset_step2": (STEP2, ["--model_name_or_path", "tiny-opt", "--data_path", "someone/nothing"], {},
+                              ["someone/nothing", "not a supported dataset name"], {}),
+    "zero_max_checkpoints": (STEP2, [*TINY, "--max_checkpoints", "0"], {}, ["--max_checkpoints must be ≥ 1"], {}),
+    "fp16_on_cpu_dpo": (DPO, [*TINY, "--dtype", "fp16"], {}, ["--dtype fp16 needs a GPU"], {}),
+    "malformed_json_dpo": (DPO, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/bad.jsonl"],
+                           {"bad.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a",\n'},
+                           ["bad.jsonl", "malformed JSON on line 2"], {}),
+    "output_dir_is_a_file_dpo": (DPO, [*TINY], {"out": "not a folder"}, ["--output_dir", "is not a folder"],
+                                 {"keep_out": True}),
+    "inference_tp_without_zero3": (STEP3, [*STEP3_MODELS, "--inference_tp_size", "2", "--enable_hybrid_engine"], {},
+                                   ["--inference_tp_size > 1 needs --actor_zero_stage 3"], {}),
+    "step1_folder_as_critic": (STEP3, ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path",
+                                       "tiny-opt"], {}, ["not a step-2 reward model folder"], {}),
+    # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
+    "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
+                                              "--save_interval", "2"], {},
+                                      ["cannot write checkpoint", "step-00000002", "disk full"],
+                                      {"fsize": ONE_AND_A_HALF_MB, "trains": True}),
+}
+
+
+def _limit_file_size(limit):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.fixture(scope="module")
+def reward_folder(tmp_path_factory):
+    """A real (untrained) step-2 folder of tiny-opt."""
+    from utils.model.critic import create_critic_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+
+    folder = tmp_path_factory.mktemp("rm") / "reward"
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    save_reward_model(create_critic_model("tiny-opt", tokenizer, None, 1), tokenizer, str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, reward_folder):
+    """Run every CLI case, at most 4 at a time (each pays Python + torch + DeepSpeed imports)."""
+    base = tmp_path_factory.mktemp("bad_cli")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    pending, running, results = list(CLI_CASES.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < 4:
+            case, (script, args, files, _, opts) = pending.pop(0)
+            folder = base / case
+            folder.mkdir()
+            for name, text in files.items():
+                (folder / name).write_text(text)
+            out = opts.get("out", "{dir}/out").format(dir=folder)
+            cmd = [sys.executable, str(REPO / script), *[a.format(dir=folder, rm=reward_folder) for a in args],
+                   "--data_output_path", str(folder / "data"), "--output_dir", out]
+            limit = opts.get("fsize")
+            running[case] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True, preexec_fn=_limit_file_size(limit) if limit else None),
+                             folder)
+        case = next(iter(running))
+        proc, folder = running.pop(case)
+        out, err = proc.communicate(timeout=600)
+        results[case] = (proc.returncode, out, err, folder)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_bad_input_is_one_clear_error_with_exit_code_2(case, cli_runs):
+    rc, out, err, folder = cli_runs[case]
+    fragments, opts = CLI_CASES[case][3], CLI_CASES[case][4]
+    assert rc == 2, (out[-2000:], err[-3000:])
+    assert "Traceback" not in err
+    message = [line for line in err.splitlines() if "error: " in line]
+    assert len(message) == 1, err[-3000:]
+    for fragment in fragments:
+        assert fragment in message[0], message[0]
+    out_dir = folder / "out"
+    if opts.get("trains"):  # trained before the disk filled up: only its metrics log, no partial checkpoint/model
+        files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
+        assert files == ["metrics.jsonl"], files
+    elif not opts.get("keep_out"):
+        assert not out_dir.exists()  # failed before any set-up: nothing written
+
+
+# --------------------------------------------------------------------------- function level
+
+def test_read_only_output_folder_is_refused_before_training(tmp_path, monkeypatch):
+    """Root ignores permission bits, so the read-only file system is simulated at the probe."""
+    from utils.preflight import check_output_dir_writable
+
+    check_output_dir_writable(str(tmp_path / "new" / "out"))  # a writable parent is enough
+    assert not (tmp_path / "new").exists()  # the probe leaves nothing behind
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(UserInputError, match=r"--output_dir .*out: cannot write in .*\(Read-only file system\)"):
+        check_output_dir_writable(str(tmp_path / "out"))
+
+
+def test_full_disk_while_saving_a_model_leaves_the_old_folder(tmp_path):
+    from utils.utils import atomic_directory
+
+    out = tmp_path / "actor"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old model")
+    with pytest.raises(UserInputError, match=r"cannot write output folder .*actor: .*No space left on device"):
+        with atomic_directory(str(out)) as tmp:
+            with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+                f.write(b"half a mod")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert os.listdir(tmp_path) == ["actor"] and (out / "model.safetensors").read_bytes() == b"old model"
+
+
+def test_safetensors_write_failure_is_a_write_failure(tmp_path):
+    """What safetensors raises when the disk is full is recognised (and turned into a clear error)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from utils.utils import is_write_failure
+
+    def write_big():
+        save_file({"w": torch.zeros(1_000_000)}, str(tmp_path / "w.safetensors"))
+
+    code = ("import resource, sys, torch; sys.path.insert(0, %r)\n"
+            "from safetensors.torch import save_file\nfrom utils.utils import is_write_failure\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
+            "try:\n    save_file({'w': torch.zeros(1000000)}, %r)\n"
+            "except Exception as e:\n    print(type(e).__name__, is_write_failure(e))\n") % (str(REPO),
+                                                                                       str(tmp_path / "w.st"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["SafetensorError", "True"], proc.stderr[-2000:]
+    write_big()  # without the limit the same write works
+    assert not is_write_failure(RuntimeError("an ordinary bug")) and not is_write_failure(ValueError("x"))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("per_device_train_batch_size", 0, "--per_device_train_batch_size must be ≥ 1, got 0"),
+    ("gradient_accumulation_steps", -2, "--gradient_accumulation_steps must be ≥ 1, got -2"),
+    ("max_seq_len", 0, "--max_seq_len must be ≥ 1"),
+    ("only_optimize_lora", True, "--only_optimize_lora needs --lora_dim > 0"),
+    ("output_dir", None, "--output_dir is required"),
+])
+def test_common_flag_checks(field, value, message):
+    from utils.arguments import validate_common
+
+    args = SimpleNamespace(data_split="2,4,4", per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                           gradient_accumulation_steps=1, max_seq_len=64, num_train_epochs=1,
+                           only_optimize_lora=False, lora_dim=0, output_dir="out", save_interval=0,
+                           max_checkpoints=2, resume=False)
+    setattr(args, field, value)
+    with pytest.raises(UserInputError, match=message):
+        validate_common(args)
+
+
+def test_every_prompt_over_the_length_limit_is_a_clear_error(tmp_path):
+    from utils.data.data_utils import create_prompt_dataset
+    from utils.model.model_utils import load_hf_tokenizer
+
+    rows = [{"prompt": "Human: " + "very " * 40 + f"long question {i}? Assistant:", "chosen": " yes",
+             "rejected": " no"} for i in range(20)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserInputError, match=r"long\.jsonl: no usable rows for phase 3"):
+        create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "data"), 3, 1234, load_hf_tokenizer("tiny-opt"),
+                              16)
+
+
+def test_blank_prompts_and_answers_leave_no_usable_pairs(tmp_path):
+    from utils.data.data_utils import create_prompt_dataset
+    from utils.model.model_utils import load_hf_tokenizer
+
+    path = tmp_path / "blank.jsonl"
+    path.write_text("".join(json.dumps({"prompt": " Human: hi Assistant:", "chosen": "  ", "rejected": ""}) + "\n"
+                            for _ in range(20)))
+    with pytest.raises(UserInputError, match=r"blank\.jsonl: no usable rows for phase 2"):
+        create_prompt_dataset(-1, [str(path)], "0,1,0", str(tmp_path / "data"), 2, 1234, load_hf_tokenizer("tiny-opt"),
+                              64)
+
+
+def test_empty_dataset_name_and_empty_data_path():
+    from utils.data.data_utils import create_prompt_dataset
+    from utils.data.raw_datasets import get_raw_dataset
+
+    with pytest.raises(UserInputError, match="empty dataset name"):
+        get_raw_dataset("  ", "/unused", 1234, -1)
+    with pytest.raises(UserInputError, match="--data_path: give at least one dataset"):
+        create_prompt_dataset(-1, [], "2,4,4", "/unused", 1, 1234, None, 64)

@@ -1,0 +1,300 @@
+"""utils.checkpoint without DeepSpeed: RNG round trip, the resumable sampler, the manifest,
+save / rotate / fall back / refuse, the kill hook and the NaN guard's fault hook.
+
+Engines are stand-ins with DeepSpeed's ``save_checkpoint`` / ``load_checkpoint``
+signature; the real engines are exercised end to end in tests/test_resume.py."""
+import errno
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from utils.checkpoint import (KILL_AT_STEP_ENV, MANIFEST, STATE, CheckpointManager, EpochSampler, ModuleState,
+                              resumable_loader, rng_state, set_rng_state, verify_manifest, write_manifest)
+from utils.errors import NAN_AT_STEP_ENV, TrainingDiverged, UserInputError, check_finite
+
+
+class FakeEngine:
+    """Holds one tensor; saves/loads it the way DeepSpeed lays out a tagged checkpoint."""
+
+    def __init__(self, value: float):
+        self.w = torch.tensor([value])
+
+    def save_checkpoint(self, save_dir, tag, save_latest=True):
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+        torch.save({"w": self.w}, os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"))
+
+    def load_checkpoint(self, load_dir, tag):
+        self.w = torch.load(os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), weights_only=True)["w"]
+        return load_dir, {}
+
+
+def draws():
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+# --------------------------------------------------------------------------- RNG
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = draws()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    assert draws() != expected
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert draws() == expected
+
+
+# --------------------------------------------------------------------------- sampler
+
+def test_epoch_sampler_order_is_a_function_of_seed_and_epoch_and_skips_consumed_batches():
+    data = list(range(23))
+    a, b = EpochSampler(data, seed=5), EpochSampler(data, seed=5)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    order = list(a)
+    assert order == list(b) and sorted(order) == data  # one rank: every sample once
+    a.set_epoch(0)
+    assert list(a) != order
+    b.set_epoch(1, skip_batches=2, batch_size=4)
+    assert list(b) == order[8:] and len(b) == 15
+    b.set_epoch(1, skip_batches=9, batch_size=4)  # past the end: empty, not an error
+    assert list(b) == [] and len(b) == 0
+    b.set_epoch(2)  # the skip is for one epoch only
+    assert len(list(b)) == 23
+    c = EpochSampler(data, seed=6)
+    c.set_epoch(1)
+    assert list(c) != order
+
+
+def test_resumable_loader_leaves_the_global_rng_alone():
+    loader = resumable_loader(list(range(10)), batch_size=3, seed=0)
+    loader.sampler.set_epoch(0, skip_batches=1, batch_size=3)
+    torch.manual_seed(0)
+    batches = [b.tolist() for b in loader]
+    after = torch.rand(())
+    torch.manual_seed(0)
+    assert float(torch.rand(())) == float(after)  # iterating drew nothing from the global RNG
+    loader.sampler.set_epoch(0)
+    full = [b.tolist() for b in loader]
+    assert batches == full[1:] and len(full) == 4
+
+
+# --------------------------------------------------------------------------- manifest
+
+def make_folder(root):
+    (root / "sub").mkdir(parents=True)
+    (root / "a.bin").write_bytes(b"0123456789")
+    (root / "sub" / "b.pt").write_bytes(b"abc")
+    (root / STATE).write_bytes(b"state")
+    write_manifest(str(root))
+    return root
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda r: None, None),
+    (lambda r: (r / MANIFEST).unlink(), "no manifest"),
+    (lambda r: (r / MANIFEST).write_text("{not json"), "unreadable manifest"),
+    (lambda r: (r / "sub" / "b.pt").unlink(), "missing file sub/b.pt"),
+    (lambda r: (r / "a.bin").write_bytes(b"01234"), "size mismatch in a.bin"),
+    (lambda r: (r / "a.bin").write_bytes(b"0123456780"), "checksum mismatch in a.bin"),
+])
+def test_manifest_detects_missing_truncated_and_flipped_files(tmp_path, damage, problem):
+    root = make_folder(tmp_path / "ck")
+    damage(root)
+    found = verify_manifest(str(root))
+    assert found == problem if problem is None else problem in found
+
+
+# --------------------------------------------------------------------------- manager
+
+def manager(tmp_path, **kw):
+    messages = []
+    kw.setdefault("max_checkpoints", 2)
+    m = CheckpointManager(str(tmp_path / "out"), log=messages.append, **kw)
+    return m, messages
+
+
+def test_save_rotates_and_load_restores_engines_state_and_rngs(tmp_path):
+    m, messages = manager(tmp_path, config={"seed": 1})
+    engine = FakeEngine(0.0)
+    for step in (2, 4, 6):
+        engine.w = torch.tensor([float(step)])
+        torch.manual_seed(step)
+        m.save(step, {"actor": engine}, {"epoch": 0, "batches_in_epoch": step})
+    names = sorted(os.listdir(m.root))
+    assert names == ["latest", "step-00000004", "step-00000006"]  # keep the last 2, no temporary left
+    assert open(os.path.join(m.root, "latest")).read().strip() == "step-00000006"
+    expected = float(torch.rand(()))
+    torch.manual_seed(0)
+    fresh = FakeEngine(-1.0)
+    state = m.load({"actor": fresh})
+    assert fresh.w.item() == 6.0 and state["step"] == 6 and state["batches_in_epoch"] == 6
+    assert state["config"] == {"seed": 1}
+    assert float(torch.rand(())) == expected
+    assert messages[-1].startswith("resumed from") and "(step 6)" in messages[-1]
+
+
+def test_corrupt_latest_falls_back_with_a_message_and_is_moved_aside(tmp_path):
+    warnings = []
+    m, messages = manager(tmp_path, warn=warnings.append)
+    for step in (3, 6):
+        m.save(step, {"actor": FakeEngine(float(step))}, {})
+    target = os.path.join(m.root, "step-00000006", "actor", "state", "mp_rank_00_model_states.pt")
+    blob = bytearray(open(target, "rb").read())
+    blob[len(blob) // 2] ^= 0xFF
+    open(target, "wb").write(bytes(blob))
+    engine = FakeEngine(0.0)
+    state = m.load({"actor": engine})
+    assert state["step"] == 3 and engine.w.item() == 3.0
+    assert len(warnings) == 1 and "step-00000006 is unusable (checksum mismatch in actor/state/" in warnings[0]
+    assert sorted(os.listdir(m.root)) == ["latest", "step-00000003", "step-00000006.corrupt"]
+    m.save(6, {"actor": FakeEngine(6.5)}, {})  # the rerun's own step 6 takes the name back
+    assert m.find_valid().endswith("step-00000006")
+
+
+def test_a_checkpoint_without_its_manifest_is_partial_and_skipped(tmp_path):
+    warnings = []
+    m, _ = manager(tmp_path, warn=warnings.append)
+    m.save(3, {"actor": FakeEngine(3.0)}, {})
+    m.save(6, {"actor": FakeEngine(6.0)}, {})
+    os.remove(os.path.join(m.root, "step-00000006", MANIFEST))
+    assert m.find_valid().endswith("step-00000003")
+    assert "no manifest (incomplete checkpoint)" in warnings[0]
+
+
+def test_a_different_run_configuration_is_refused(tmp_path):
+    m, _ = manager(tmp_path, config={"seed": 1, "per_device_train_batch_size": 8})
+    m.save(3, {"actor": FakeEngine(3.0)}, {})
+    other, _ = manager(tmp_path, config={"seed": 1, "per_device_train_batch_size": 4})
+    with pytest.raises(UserInputError, match=r"different run configuration \(per_device_train_batch_size: "
+                                              r"checkpoint 8, now 4\)"):
+        other.load({"actor": FakeEngine(0.0)})
+
+
+def test_resume_is_automatic_and_resume_flag_requires_a_checkpoint(tmp_path):
+    m, _ = manager(tmp_path)
+    assert m.resume({"actor": FakeEngine(0.0)}) is None  # fresh start
+    required, _ = manager(tmp_path, require_resume=True)
+    with pytest.raises(UserInputError, match="--resume: no usable checkpoint"):
+        required.resume({"actor": FakeEngine(0.0)})
+    m.save(2, {"actor": FakeEngine(2.0)}, {"epoch": 1})
+    assert required.resume({"actor": FakeEngine(0.0)})["epoch"] == 1
+
+
+def test_module_state_round_trips_parameters_and_buffers_through_a_manifest_checked_checkpoint(tmp_path):
+    def model(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        m[1].running_mean.uniform_()
+        return m
+
+    m, _ = manager(tmp_path)
+    saved = model(1)
+    m.save(5, {"actor_ema": ModuleState(saved)}, {})
+    assert os.path.isfile(os.path.join(m.root, "step-00000005", "actor_ema", "state", "model.safetensors"))
+    restored = model(2)
+    m.load({"actor_ema": ModuleState(restored)})
+    for (name, a), b in zip(saved.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(UserInputError, match="do not match the model"):
+        m.load({"actor_ema": ModuleState(torch.nn.Linear(3, 4))})
+
+
+def test_step_done_saves_every_interval(tmp_path):
+    m, _ = manager(tmp_path, save_interval=3, max_checkpoints=5)
+    calls = []
+    for step in range(1, 8):
+        m.step_done(step, {"actor": FakeEngine(float(step))}, lambda: calls.append(step) or {})
+    assert calls == [3, 6]
+    assert [os.path.basename(p) for p in m.checkpoints()] == ["step-00000006", "step-00000003"]
+    off, _ = manager(tmp_path / "off", save_interval=0)
+    off.step_done(3, {"actor": FakeEngine(0.0)}, lambda: {})
+    assert off.checkpoints() == []
+
+
+def test_a_failing_write_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    m, _ = manager(tmp_path)
+    m.save(3, {"actor": FakeEngine(3.0)}, {})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(UserInputError, match=r"cannot write checkpoint .*step-00000006: No space left on device"):
+        m.save(6, {"actor": FakeEngine(6.0)}, {})
+    monkeypatch.undo()
+    assert sorted(os.listdir(m.root)) == ["latest", "step-00000003"]  # no partial folder left
+    assert m.find_valid().endswith("step-00000003")
+
+
+def test_stale_temporary_folders_are_ignored_and_cleaned(tmp_path):
+    m, _ = manager(tmp_path)
+    os.makedirs(os.path.join(m.root, ".tmp-step-00000009", "actor"))  # a run killed while saving
+    assert m.find_valid() is None
+    m.save(3, {"actor": FakeEngine(3.0)}, {})
+    assert sorted(os.listdir(m.root)) == ["latest", "step-00000003"]
+
+
+def test_kill_hook_sigkills_at_the_named_step_only(tmp_path):
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from utils.checkpoint import kill_point\n"
+            "for step in range(1, 6):\n"
+            "    print(step, flush=True)\n"
+            "    kill_point(step)\n") % os.getcwd()
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{KILL_AT_STEP_ENV: "3"}),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9 and proc.stdout.split() == ["1", "2", "3"]
+
+
+# --------------------------------------------------------------------------- NaN guard
+
+def test_check_finite_names_step_and_quantity(monkeypatch):
+    check_finite(4, loss=torch.tensor(1.5), reward=2.0)
+    with pytest.raises(TrainingDiverged, match=r"non-finite reward \(inf\) at step 7"):
+        check_finite(7, loss=1.0, reward=float("inf"))
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss \(nan\) at step 2"):
+        check_finite(2, loss=torch.tensor(float("nan")))
+    monkeypatch.setenv(NAN_AT_STEP_ENV, "3")
+    check_finite(2, actor_loss=1.0)
+    with pytest.raises(TrainingDiverged, match=r"non-finite actor_loss \(nan\) at step 3"):
+        check_finite(3, actor_loss=1.0, critic_loss=1.0)
+
+
+# --------------------------------------------------------------------------- security
+
+def _repo_calls(attr):
+    """(file, line, call) for every ``<something>.<attr>(...)`` call in the repository's own code."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for path in repo.rglob("*.py"):
+        if any(part.startswith(".") for part in path.relative_to(repo).parts):
+            continue  # .venv, .cache
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                yield str(path.relative_to(repo)), node.lineno, node
+
+
+def test_every_torch_load_refuses_arbitrary_pickles():
+    calls = [(f, line, c) for f, line, c in _repo_calls("load")
+             if isinstance(c.func.value, __import__("ast").Name) and c.func.value.id == "torch"]
+    assert len(calls) >= 4
+    unsafe = [(f, line) for f, line, c in calls
+              if not any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in c.keywords)]
+    assert not unsafe, f"torch.load without weights_only=True: {unsafe}"
+
+
+def test_remote_code_is_never_switched_on_in_the_code():
+    forced = [(f, line) for f, line, c in _repo_calls("from_pretrained") for k in c.keywords
+              if k.arg == "trust_remote_code" and getattr(k.value, "value", None) is True]
+    assert not forced
+    from step1_supervised_finetuning.main import parse_args
+
+    assert parse_args([]).trust_remote_code is False

@@ -1,0 +1,261 @@
+"""Every step with 2 CPU ranks (gloo) at ZeRO 2 and ZeRO 3, through both launchers.
+
+One 2-rank run per step and stage (``TWO_RANK_RUNS``; ZeRO 2 through
+``deepspeed --num_gpus 2``, ZeRO 3 through ``torchrun --standalone --nproc_per_node 2``),
+each run once per session and shared by the tests; step 3 trains the step-1/step-2
+ZeRO-2 outputs. The tests check that the 2-rank results mean what 1-rank results mean:
+
+* the saved models load, with the same parameter names and shapes as a 1-rank run's
+  (ZeRO-3 saving gathers full weights);
+* the global batch is micro × ranks × grad-accum (optimizer steps per epoch);
+* eval metrics are all-reduced: before training (same weights) the 2-rank eval loss /
+  reward-model scores equal the 1-rank ones over the whole eval set;
+* only rank 0 logs and writes metrics; the data cache is built once and left clean;
+* step 3 under ZeRO 3 (synced generation, EMA on) produces the same first-step
+  average reward as under ZeRO 2.
+
+The "T" marks of docs/zero_matrix.md come from ``TWO_RANK_RUNS``.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.conftest import REPO
+from utils.compat import STEPS, Combination
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+DATA = ["--data_path", "builtin/preference-small", "--seed", "1234"]
+# eval batch 1: a mean of per-batch means is then the same for any split of the eval set over ranks
+LM = ["--model_name_or_path", "tiny-opt", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "1",
+      "--max_seq_len", "32"]
+PPO = ["--actor_model_name_or_path", "{step1_z2}", "--critic_model_name_or_path", "{step2_rm_z2}",
+       "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+       "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8", "--num_warmup_steps", "0", "--max_steps", "2"]
+
+
+@dataclass(frozen=True)
+class TwoRankRun:
+    combination: Combination
+    launcher: str  # "deepspeed" or "torchrun"
+    test: str  # the test that checks it
+    args: tuple = field(default=())
+
+
+def _flags(c: Combination) -> list:
+    if c.step == "step3":
+        flags = ["--actor_zero_stage", str(c.zero_stage), "--critic_zero_stage", str(c.zero_stage)]
+        flags += ["--actor_lora_dim", "4", "--critic_lora_dim", "4", "--only_optimize_lora"] if c.lora else []
+    else:
+        flags = ["--zero_stage", str(c.zero_stage)] + (["--lora_dim", "4", "--only_optimize_lora"] if c.lora else [])
+    return flags + (["--offload"] if c.offload else []) + ["--dtype", c.dtype]
+
+
+TWO_RANK_RUNS = {
+    # full epoch with grad-accum 2: 80 rows / (4 micro × 2 ranks × 2) = 5 optimizer steps
+    "step1_z2": TwoRankRun(Combination("step1", 2, False, False, "fp32"), "deepspeed", "test_step1_two_ranks",
+                           tuple(LM + ["--gradient_accumulation_steps", "2"])),
+    "step1_z3": TwoRankRun(Combination("step1", 3, False, True, "bf16"), "torchrun", "test_step1_two_ranks",
+                           tuple(LM + ["--max_steps", "2"])),
+    "step2_rm_z2": TwoRankRun(Combination("step2_rm", 2, False, False, "fp32"), "deepspeed",
+                              "test_reward_model_two_ranks", tuple(LM + ["--max_steps", "2"])),
+    "step2_rm_z3": TwoRankRun(Combination("step2_rm", 3, False, True, "bf16"), "torchrun",
+                              "test_reward_model_two_ranks", tuple(LM + ["--max_steps", "2"])),
+    "step2_dpo_z2": TwoRankRun(Combination("step2_dpo", 2, False, False, "fp32"), "deepspeed",
+                               "test_dpo_two_ranks", tuple(LM + ["--max_steps", "2", "--eval_iters", "1"])),
+    "step2_dpo_z3": TwoRankRun(Combination("step2_dpo", 3, False, False, "bf16"), "torchrun",
+                               "test_dpo_two_ranks", tuple(LM + ["--max_steps", "2", "--eval_iters", "1"])),
+    "step3_z2": TwoRankRun(Combination("step3", 2, False, False, "fp32"), "deepspeed", "test_step3_two_ranks",
+                           tuple(PPO)),
+    "step3_z3": TwoRankRun(Combination("step3", 3, False, False, "fp32"), "torchrun", "test_step3_two_ranks",
+                           tuple(PPO + ["--enable_ema"])),
+}
+# 1-rank ZeRO-0 references (plain python)
+ONE_RANK_RUNS = {
+    "step1_r1": ("step1", LM + ["--max_steps", "1"]),
+    "step2_rm_r1": ("step2_rm", LM + ["--max_steps", "1"]),
+}
+
+
+@dataclass
+class RunResult:
+    proc: subprocess.CompletedProcess
+    out_dir: str
+    data_dir: str
+
+    @property
+    def metrics(self) -> list:
+        with open(os.path.join(self.out_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def rows(self, phase: str) -> list:
+        return [row for row in self.metrics if row["phase"] == phase]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(launcher: str, script: str, args: list) -> subprocess.CompletedProcess:
+    bin_dir = os.path.dirname(sys.executable)
+    if launcher == "deepspeed":
+        cmd = [os.path.join(bin_dir, "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port())]
+    elif launcher == "torchrun":
+        cmd = [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    else:
+        cmd = [sys.executable]
+    return subprocess.run(cmd + [str(REPO / script)] + [str(a) for a in args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+class Runs:
+    """Runs each named run once, on first request (step 3 pulls in its step-1/2 inputs)."""
+
+    def __init__(self, base):
+        self.base, self.done = base, {}
+
+    def __getitem__(self, name: str) -> RunResult:
+        if name not in self.done:
+            self.done[name] = self._run(name)
+        return self.done[name]
+
+    def _run(self, name: str) -> RunResult:
+        if name in ONE_RANK_RUNS:
+            step, args, launcher = *ONE_RANK_RUNS[name], "python"
+            args = args + ["--zero_stage", "0", "--dtype", "fp32"]
+        else:
+            run = TWO_RANK_RUNS[name]
+            step, launcher = run.combination.step, run.launcher
+            inputs = {k: self[k].out_dir for k in ("step1_z2", "step2_rm_z2")} if step == "step3" else {}
+            args = [a.format(**inputs) for a in run.args] + _flags(run.combination)
+        out_dir, data_dir = str(self.base / name / "out"), str(self.base / name / "data")
+        proc = _launch(launcher, STEPS[step], DATA + args + ["--data_output_path", data_dir, "--output_dir", out_dir])
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        return RunResult(proc, out_dir, data_dir)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("multiproc"))
+
+
+# --------------------------------------------------------------------------- checks shared by the steps
+
+def saved_shapes(folder: str) -> dict:
+    """{parameter name: shape} of a saved folder's safetensors weights."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    assert shapes, f"no safetensors weights in {folder}"
+    return shapes
+
+
+def assert_rank0_only(result: RunResult, marker: str) -> None:
+    """``marker`` (a line only the training loop prints) appears once: rank 1 printed nothing; metrics unique."""
+    assert result.proc.stdout.count(marker) == 1, result.proc.stdout[-3000:]
+    keys = [(row["phase"], row["step"]) for row in result.metrics]
+    assert len(keys) == len(set(keys)), f"duplicated metrics rows (two ranks writing?): {keys}"
+
+
+def assert_cache_built_once(result: RunResult, phase: int) -> None:
+    files = os.listdir(result.data_dir)
+    assert len([f for f in files if f.startswith(f"traindata_phase{phase}_")]) == 1, files
+    assert not [f for f in files if ".tmp" in f], f"half-written cache files left behind: {files}"
+
+
+def close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
+
+
+# --------------------------------------------------------------------------- the steps
+
+def test_step1_two_ranks(runs):
+    from transformers import AutoModelForCausalLM
+
+    one = runs["step1_r1"]
+    reference = saved_shapes(one.out_dir)
+    for name in ("step1_z2", "step1_z3"):
+        result = runs[name]
+        assert saved_shapes(result.out_dir) == reference, name  # ZeRO-3: gathered, full shapes
+        model = AutoModelForCausalLM.from_pretrained(result.out_dir)
+        assert not any("lora" in k for k in model.state_dict()), "LoRA must be fused before saving"
+        assert_rank0_only(result, "ppl before training")
+        assert_cache_built_once(result, 1)
+
+    z2 = runs["step1_z2"]
+    # global batch = 4 micro × 2 ranks × 2 accumulation: one epoch of 80 rows is 5 optimizer steps
+    rows = int(one.proc.stdout.split("Running training: ")[1].split(" samples")[0])
+    assert rows == 80
+    assert [r["step"] for r in z2.rows("train")] == list(range(1, 6))
+    # perplexity before training (same weights) is the whole eval set's, not rank 0's half
+    assert close(z2.rows("eval")[0]["loss"], one.rows("eval")[0]["loss"])
+
+
+def test_reward_model_two_ranks(runs):
+    from utils.model.critic import load_reward_model
+
+    one = runs["step2_rm_r1"]
+    reference = saved_shapes(one.out_dir)
+    assert "v_head.weight" in reference
+    for name in ("step2_rm_z2", "step2_rm_z3"):
+        result = runs[name]
+        assert saved_shapes(result.out_dir) == reference, name
+        load_reward_model(result.out_dir)
+        assert_rank0_only(result, "eval before training")
+        assert_cache_built_once(result, 2)
+    # chosen/rejected scores and accuracy before training: all-reduced over both ranks' pairs
+    before_1, before_2 = one.rows("eval")[0], runs["step2_rm_z2"].rows("eval")[0]
+    for key in ("chosen", "rejected", "acc", "loss"):
+        assert close(before_2[key], before_1[key]), (key, before_2, before_1)
+
+
+def test_dpo_two_ranks(runs):
+    from transformers import AutoModelForCausalLM
+
+    reference = saved_shapes(runs["step1_r1"].out_dir)  # a 1-rank run's causal LM (same architecture)
+    for name in ("step2_dpo_z2", "step2_dpo_z3"):
+        result = runs[name]
+        assert saved_shapes(result.out_dir) == reference, name
+        AutoModelForCausalLM.from_pretrained(result.out_dir)
+        assert_rank0_only(result, "eval before training")
+        assert [r["step"] for r in result.rows("train")] == [1, 2]
+
+
+def test_step3_two_ranks(runs):
+    from transformers import AutoModelForCausalLM
+
+    actor_shapes, critic_shapes = saved_shapes(runs["step1_r1"].out_dir), saved_shapes(runs["step2_rm_r1"].out_dir)
+    z2, z3 = runs["step3_z2"], runs["step3_z3"]
+    for result in (z2, z3):
+        assert saved_shapes(os.path.join(result.out_dir, "actor")) == actor_shapes
+        assert saved_shapes(os.path.join(result.out_dir, "critic")) == critic_shapes
+        assert_rank0_only(result, "Running PPO")
+        assert_cache_built_once(result, 3)
+        assert [r["step"] for r in result.rows("train")] == [1, 2]
+    # ZeRO-3 + EMA: the EMA copy is gathered and saved too
+    assert saved_shapes(os.path.join(z3.out_dir, "actor_ema")) == actor_shapes
+    AutoModelForCausalLM.from_pretrained(os.path.join(z3.out_dir, "actor_ema"))
+    assert not os.path.exists(os.path.join(z2.out_dir, "actor_ema"))
+    # same models, prompts and greedy decoding: ZeRO-3's synced generation scores exactly like ZeRO-2's
+    r2, r3 = z2.rows("train")[0]["reward"], z3.rows("train")[0]["reward"]
+    assert math.isclose(r2, r3, rel_tol=1e-3, abs_tol=1e-4), (r2, r3)

@@ -1,0 +1,348 @@
+"""Trainer-level checks of step 3 (PPO) on hand-made models: no DeepSpeed engine, fast.
+
+The math itself is tested in test_rl_math.py; here: that the trainer wires it
+correctly (masks, EOS with pad == eos, dropped answers, the PPO update's direction,
+the reference left alone, EMA), MiniDataset, the throughput numbers, the
+unsupervised text packing and step 3's up-front argument checks.
+"""
+import argparse
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from step3_rlhf_finetuning.main import parse_args, validate_step3
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, MiniDataset,
+                                               end_of_answer_token_id, pad_to_length, step3_throughput,
+                                               throughput_lines)
+from utils.data.unsupervised import get_unsupervised_data, pack_tokens
+from utils.errors import UserInputError
+from utils.perf import transformer_flops
+
+EOS = PAD = 2  # OPT-style tokenizer: pad == eos
+V = 8
+
+
+# --------------------------------------------------------------------------- fakes
+
+
+class TinyLM(nn.Module):
+    """Embedding + linear LM; ``generate`` returns scripted answers (or asks the real logits nothing)."""
+
+    def __init__(self, answers=None, seed=0, dropout=0.0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, 4)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(4, V)
+        self.answers = answers
+        self.config = SimpleNamespace(num_hidden_layers=1, hidden_size=4, vocab_size=V)
+        self.generate_kwargs = None
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return SimpleNamespace(logits=self.head(self.dropout(self.emb(input_ids))))
+
+    def generate(self, prompts, **kwargs):
+        self.generate_kwargs = kwargs
+        return torch.cat([prompts, self.answers], dim=1)
+
+
+class FakeRewardModel(nn.Module):
+    """Values = a learnable per-token table; end score = a fixed score per row."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.table = nn.Embedding(V, 1)
+        nn.init.zeros_(self.table.weight)
+        self.scores = torch.tensor(scores, dtype=torch.float32)
+        self.seen_prompt_length = None
+
+    def forward_value(self, input_ids, attention_mask=None, return_value_only=False, prompt_length=0):
+        values = self.table(input_ids).squeeze(-1)
+        if return_value_only:
+            return values
+        self.seen_prompt_length = prompt_length
+        return {"values": values, "chosen_end_scores": self.scores[: input_ids.shape[0]]}
+
+
+class FakeEngine(nn.Module):
+    """What the trainer uses of a DeepSpeed engine: ``module``, call, backward, step (+ forward_value)."""
+
+    def __init__(self, module, lr=None):
+        super().__init__()
+        self.module = module
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr else None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward_value(self, *args, **kwargs):
+        return self.module.forward_value(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def ppo_args(**kw):
+    base = dict(max_answer_seq_len=4, actor_zero_stage=0, kl_ctl=0.1, clip_reward_value=5.0, cliprange=0.2,
+                cliprange_value=0.2, gamma=1.0, lam=0.95, align_overflow=False, do_sample=False, temperature=1.0,
+                top_k=0, top_p=1.0, print_answers=False, print_answers_interval=1, compute_fp32_loss=False,
+                add_eot_token=False, eot_token="<|endoftext|>", enable_hybrid_engine=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def make_trainer(answers, scores, lr=0.5, ema=False, cls=DeepSpeedPPOTrainer, dropout=0.0, **kw):
+    tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None)
+    engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr),
+                             ref=FakeEngine(TinyLM()), critic=FakeEngine(FakeRewardModel(scores), lr=lr),
+                             reward=FakeEngine(FakeRewardModel(scores)),
+                             actor_ema=FakeEngine(TinyLM(seed=1)) if ema else None, tokenizer=tokenizer)
+    return cls(engine, ppo_args(**kw)), engine
+
+
+# prompts: P = 3, left padded (row 1 has one pad; its BOS-like first token 2 = pad is visible per the mask)
+PROMPTS = torch.tensor([[5, 6, 7], [PAD, 6, 7], [2, 5, 6]])
+PROMPT_MASK = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1]])
+
+
+# --------------------------------------------------------------------------- experience
+
+
+def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
+    # row 0: 2 real tokens + EOS (kept); row 1: 1 real token + EOS (dropped: ≤ 1 token);
+    # row 2: EOS right away (dropped). Generation stopped after 3 new tokens, so the
+    # output is padded to P + max_answer = 3 + 4 = 7.
+    answers = [[3, 4, EOS], [3, EOS, PAD], [EOS, PAD, PAD]]
+    trainer, engine = make_trainer(answers, scores=[1.0, 2.0, 3.0], dropout=0.5)
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    assert engine.actor.module.training  # back in train mode for PPO ...
+
+    assert exp["input_ids"].shape == (3, 7)
+    assert exp["input_ids"][0].tolist() == [5, 6, 7, 3, 4, EOS, PAD]
+    assert exp["valid"].tolist() == [1, 0, 0]
+    assert exp["answer_len"].tolist() == [2, 1, 0]
+    assert trainer.dropped_total == 2
+    # attention: the prompt mask as given + answer up to and including its first EOS (pad == eos!)
+    assert exp["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    # actions t = P-1 = 2 … emit tokens 3 …; row 0 counts 3 (3), 4 (4) and EOS (5); dropped rows count nothing
+    assert exp["action_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0] * 6, [0] * 6]
+    assert engine.reward.module.seen_prompt_length == 3
+    assert exp["rewards"].tolist() == [1.0, 2.0, 3.0]
+    kw = engine.actor.module.generate_kwargs
+    assert kw["max_new_tokens"] == 4 and kw["pad_token_id"] == PAD and kw["eos_token_id"] == EOS
+    assert kw["use_cache"] is True and kw["do_sample"] is False and kw["synced_gpus"] is False
+    # ... but log π_old was computed without dropout (the model's deterministic eval-mode output)
+    engine.actor.module.eval()
+    logits = engine.actor.module(exp["input_ids"]).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp["input_ids"][:, 1:, None]).squeeze(-1)
+    assert_close(exp["logprobs"], expected)
+
+
+def test_a_batch_of_empty_answers_is_skipped_not_a_crash():
+    trainer, _ = make_trainer([[EOS, PAD, PAD]] * 3, scores=[0.0] * 3)
+    assert trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1) is None
+    assert trainer.dropped_total == 3
+    assert trainer.generate_experience(PROMPTS, PROMPT_MASK, step=2) is None
+    assert trainer.dropped_total == 6  # a running count
+
+
+def test_sampling_flags_reach_generate():
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, do_sample=True, temperature=0.7, top_k=5,
+                                   top_p=0.9)
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    kw = engine.actor.module.generate_kwargs
+    assert (kw["do_sample"], kw["temperature"], kw["top_k"], kw["top_p"]) == (True, 0.7, 5, 0.9)
+    # log-probs of the distribution the answers were sampled from: logits / temperature
+    logits = engine.ref.module(exp["input_ids"]).logits / 0.7
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp["input_ids"][:, 1:, None]).squeeze(-1)
+    assert_close(exp["ref_logprobs"], expected)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def answer_logprob(model, seq, row, t):
+    """log π(seq[row, t+1] | seq[row, :t+1])."""
+    logits = model(seq).logits
+    return torch.log_softmax(logits[row, t], -1)[seq[row, t + 1]].item()
+
+
+def test_ppo_update_moves_towards_rewarded_answers_and_leaves_the_reference_alone():
+    # same answer "3 4 EOS" in all rows; rows scored +4 / -4 / +4 with a zero critic:
+    # the advantage of every action is ±(score − KL terms) → the update must raise the
+    # probability of the positively scored row's actions more than... here, all rows share
+    # the answer, so the net push is positive: log π(EOS action) must go up.
+    answers = [[3, 4, EOS]] * 3
+    trainer, engine = make_trainer(answers, scores=[4.0, -1.0, 4.0], lr=0.5)
+    ref_before = [p.detach().clone() for p in engine.ref.module.parameters()]
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    seq = exp["input_ids"]
+    before = answer_logprob(engine.actor.module, seq, 0, 4)  # action t = 4 emits EOS (index 5)
+    actor_loss, critic_loss = trainer.train_rlhf(exp)
+    after = answer_logprob(engine.actor.module, seq, 0, 4)
+    assert after > before
+    assert math.isfinite(actor_loss.item()) and critic_loss.item() > 0
+    for p, q in zip(engine.ref.module.parameters(), ref_before):
+        assert torch.equal(p, q)
+    # the critic learned towards the positive return at the EOS action's state (token 4's value)
+    assert engine.critic.module.table.weight[4].item() > 0
+
+
+def test_negative_scores_push_the_answer_down():
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[-4.0] * 3, lr=0.5)
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    before = answer_logprob(engine.actor.module, exp["input_ids"], 0, 4)
+    trainer.train_rlhf(exp)
+    assert answer_logprob(engine.actor.module, exp["input_ids"], 0, 4) < before
+
+
+def test_dropped_rows_give_no_gradient():
+    # only row 0 is kept; its tokens never include 6 as an action target, and row 1/2 answers use token 1.
+    answers = [[3, 4, EOS], [1, EOS, PAD], [EOS, PAD, PAD]]
+    trainer, engine = make_trainer(answers, scores=[1.0, 100.0, 100.0], lr=0.0)
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    engine.actor.optimizer = None
+    engine.actor.step = lambda: None  # keep the gradient for inspection
+    engine.critic.step = lambda: None
+    trainer.train_rlhf(exp)
+    grad = engine.actor.module.head.weight.grad
+    # the LM head row of token 1 (only a dropped row's answer) gets gradient only through the
+    # softmax normaliser of row 0's actions — compare with a run where rows 1/2 are absent
+    trainer2, engine2 = make_trainer([[3, 4, EOS]], scores=[1.0], lr=0.0)
+    exp2 = trainer2.generate_experience(PROMPTS[:1], PROMPT_MASK[:1], step=1)
+    engine2.actor.step = lambda: None
+    engine2.critic.step = lambda: None
+    trainer2.train_rlhf(exp2)
+    assert_close(grad, engine2.actor.module.head.weight.grad)
+
+
+def test_unsupervised_step_is_the_lm_loss_times_the_coefficient():
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, lr=0.1, cls=DeepSpeedPPOTrainerUnsupervised)
+    ids = torch.tensor([[5, 6, 7, 3]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    logits = engine.actor.module(ids).logits
+    expected = nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+    loss = trainer.train_unsupervised(batch, unsup_coef=2.0)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_ema_update_is_beta_weighted():
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, ema=True)
+    actor = [p.detach().clone() for p in engine.actor.module.parameters()]
+    ema = [p.detach().clone() for p in engine.actor_ema.module.parameters()]
+    trainer.update_ema(beta=0.9)
+    for new, a, e in zip(engine.actor_ema.module.parameters(), actor, ema):
+        assert_close(new.detach(), 0.9 * e + 0.1 * a)
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_mini_dataset_collects_then_cuts_micro_batches():
+    mini = MiniDataset(max_size=2, small_batch_size=3)
+    first = {"a": torch.arange(5), "b": torch.arange(5) * 10}
+    assert mini.add(first) is None
+    micro = mini.add({"a": torch.arange(2), "b": torch.arange(2)})
+    assert [m["a"].tolist() for m in micro] == [[0, 1, 2], [3, 4], [0, 1]]
+    assert micro[1]["b"].tolist() == [30, 40]
+    assert mini.dataset == []  # freed
+    lists = MiniDataset(1, 2).add([[None] * 3])
+    assert lists == [[[None, None]], [[None]]]
+
+
+def test_pad_to_length_and_end_token():
+    assert pad_to_length(torch.tensor([[1, 2]]), 4, 0).tolist() == [[1, 2, 0, 0]]
+    tok = SimpleNamespace(eos_token_id=2, unk_token_id=9, convert_tokens_to_ids=lambda t: [7])
+    assert end_of_answer_token_id(tok, argparse.Namespace(add_eot_token=False)) == 2
+    assert end_of_answer_token_id(tok, argparse.Namespace(add_eot_token=True, eot_token="<eot>")) == 7
+
+
+def test_throughput_counts_unsupervised_rows_instead_of_a_batch_of_two():
+    cfg = SimpleNamespace(num_hidden_layers=2, hidden_size=16, vocab_size=32)
+    t = step3_throughput(cfg, cfg, experience_time=1.0, generate_time=0.5, train_time=2.0, sequences=8,
+                         seq_length=12, answer_length=6, generated_tokens=5, actor_train_samples=16,
+                         critic_train_samples=8, actor_params=1000, critic_params=500)
+    train = transformer_flops(cfg, 16, 12, 3) + transformer_flops(cfg, 8, 12, 3)
+    gen = transformer_flops(cfg, 8, 12, 1)
+    assert t["train_tflops"] == pytest.approx(train / 2.0 / 1e12)
+    assert t["gen_tflops"] == pytest.approx(gen / 0.5 / 1e12)
+    assert t["e2e_tflops"] == pytest.approx((train + gen) / 3.0 / 1e12)
+    assert t["samples_per_sec"] == pytest.approx(8 / 3.0)
+    assert t["gen_tokens_per_sec"] == pytest.approx(8 * 5 / 0.5)
+    lines = throughput_lines(t)
+    assert lines[0].startswith("End-to-End => Latency: 3.00s") and "Batch Size: 8" in lines[0]
+    assert lines[1].startswith("Generation => ") and lines[2].startswith("Training   => Latency: 2.00s")
+
+
+# --------------------------------------------------------------------------- unsupervised data
+
+
+class CharTokenizer:
+    """One id per character, BOS = 0 before each row (like OPT's tokenizer adds its BOS)."""
+
+    def __call__(self, texts):
+        return {"input_ids": [[0] + [ord(c) for c in text] for text in texts]}
+
+
+def test_text_file_is_packed_into_blocks(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("abc\n\nde\nfghij\n")  # blank lines skipped: [0 a b c] [0 d e] [0 f g h i j] = 13 tokens
+    data = get_unsupervised_data(str(path), None, CharTokenizer(), block_size=4, log=lambda m: None)
+    assert len(data) == 3  # 13 // 4, the tail of 1 dropped
+    assert data[0]["input_ids"].tolist() == [0, 97, 98, 99]
+    assert data[1]["input_ids"].tolist() == [0, 100, 101, 0]
+    assert torch.equal(data[2]["labels"], data[2]["input_ids"]) and data[2]["attention_mask"].sum() == 4
+
+
+def test_folder_of_text_files_and_errors(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b.txt").write_text("xy\n")
+    (tmp_path / "d" / "a.txt").write_text("uv\n")
+    data = get_unsupervised_data(str(tmp_path / "d"), None, CharTokenizer(), block_size=3, log=lambda m: None)
+    assert data[0]["input_ids"].tolist() == [0, ord("u"), ord("v")]  # sorted: a.txt first
+    with pytest.raises(UserInputError, match="not enough text for one block of 100"):
+        get_unsupervised_data(str(tmp_path / "d"), None, CharTokenizer(), block_size=100, log=lambda m: None)
+    with pytest.raises(UserInputError, match="no such file"):
+        get_unsupervised_data(str(tmp_path / "missing.txt"), None, CharTokenizer(), 4)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserInputError, match="no .txt files"):
+        get_unsupervised_data(str(tmp_path / "empty"), None, CharTokenizer(), 4)
+    assert pack_tokens(["abcdef"], CharTokenizer(), 2, max_blocks=2).tolist() == [[0, 97], [98, 99]]
+
+
+# --------------------------------------------------------------------------- argument checks
+
+BASE = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--inference_tp_size", "2", "--enable_hybrid_engine"], "needs --actor_zero_stage 3"),
+    (["--inference_tp_size", "2", "--actor_zero_stage", "3"], "needs --enable_hybrid_engine"),
+    (["--enable_mixed_precision_lora", "--actor_zero_stage", "3"], "--enable_mixed_precision_lora needs"),
+    (["--only_optimize_lora"], "--only_optimize_lora needs"),
+    (["--unsupervised_dataset_config_name", "x"], "needs --unsupervised_dataset_name"),
+    (["--actor_zero_stage", "2", "--critic_zero_stage", "2", "--enable_hybrid_engine", "--offload"], "unsupported"),
+    (["--do_sample", "--temperature", "0"], "sampling needs"),
+    (["--generation_batches", "0"], "--generation_batches must be ≥ 1"),
+])
+def test_bad_flag_combinations_are_refused_up_front(flags, message):
+    with pytest.raises(UserInputError, match=message):
+        validate_step3(parse_args(BASE + flags))
+
+
+def test_reference_defaults():
+    args = parse_args(BASE)
+    assert (args.actor_learning_rate, args.critic_learning_rate, args.unsup_coef, args.num_warmup_steps) == \
+        (9.65e-6, 5e-6, 27.8, 100)
+    assert (args.per_device_generation_batch_size, args.max_prompt_seq_len, args.num_padding_at_beginning,
+            args.actor_lora_module_name, args.seed, args.kl_ctl, args.lam) == (16, 256, 1, "decoder.layers.", 1234,
+                                                                               0.1, 0.95)
+    assert not args.do_sample and args.tensorboard_path == "step3_tensorboard"
