@@ -58,12 +58,13 @@ STEPS = {
 # They go after train.py's own flags and before --stepN-args, so a user's flags still win.
 DEMO_ARGS = {
     1: "--data_path builtin/preference --per_device_train_batch_size 16 --max_seq_len 64 "
-       "--learning_rate 1e-3 --num_train_epochs 2",
-    2: "--data_path builtin/preference --per_device_train_batch_size 16 --max_seq_len 64 "
-       "--learning_rate 5e-4 --num_train_epochs 1 --eval_interval 20",
-    3: "--data_path builtin/preference --max_prompt_seq_len 32 --max_answer_seq_len 24 --do_sample "
-       "--max_steps 40 --per_device_generation_batch_size 16 --per_device_training_batch_size 16 "
-       "--actor_learning_rate 1e-4 --critic_learning_rate 1e-3 --num_warmup_steps 0",
+       "--learning_rate 1e-3 --num_train_epochs 4",
+    2: "--data_path builtin/preference --per_device_train_batch_size 16 "
+       "--max_seq_len 64 --learning_rate 1e-3 --dropout 0.0 --num_train_epochs 2 --eval_interval 50",
+    3: "--data_path builtin/preference --max_prompt_seq_len 32 "
+       "--max_answer_seq_len 24 --do_sample --max_steps 80 --per_device_generation_batch_size 16 "
+       "--per_device_training_batch_size 16 --actor_learning_rate 2e-4 --critic_learning_rate 1e-3 "
+       "--actor_dropout 0.0 --critic_dropout 0.0 --num_warmup_steps 0 --lr_scheduler_type constant --enable_ema",
 }
 DEMO_QUESTION = "Describe the lamp."
 # The demo's ~1 M-parameter model runs ~3x faster with one thread per process than with two.

@@ -17,7 +17,7 @@ def test_quality_hand_examples():
     assert quality(" The lamp is bright and kind and calm.", "lamp") == 3
     assert quality(" The lamp is bright and dull and rude.", "lamp") == 1
     assert quality(" The city is bright and kind and calm.", "lamp") == 3 - 2          # wrong object
-    assert quality(" The lamp is bright and bright and calm.", "lamp") == 3 - 6        # repeated word
+    assert quality(" The lamp is bright and bright and calm.", "lamp") == 3 - 6        # repeated word (never chosen)
     assert quality(" The lamp is bright and kind and calm and warm.", "lamp") == 4 - 6  # four words
     assert quality(" The lamp is bright and kind and calm. and safe.", "lamp") == 4 - 6  # rambles on
 
@@ -35,4 +35,4 @@ def test_rejected_kinds_all_present_and_deterministic():
     assert len(rows) == 4000
     off_topic = sum(_noun(r["prompt"]) not in r["rejected"].split() for r in rows) / len(rows)
     broken = sum(_is_broken(r["rejected"]) for r in rows) / len(rows)
-    assert 0.20 < off_topic < 0.30 and 0.10 < broken < 0.20
+    assert 0.12 < off_topic < 0.18 and 0.07 < broken < 0.13

@@ -130,9 +130,7 @@ def resumable_loader(dataset, batch_size: int, seed: int, **kwargs):
     """
     from torch.utils.data import DataLoader
 
-    drop_last = kwargs.pop("drop_last", False)
-    return DataLoader(dataset, batch_size=batch_size, drop_last=drop_last,
-                      sampler=EpochSampler(dataset, seed, drop_last=False),
+    return DataLoader(dataset, batch_size=batch_size, sampler=EpochSampler(dataset, seed),
                       generator=torch.Generator().manual_seed(seed), **kwargs)
 
 

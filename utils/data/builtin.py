@@ -8,10 +8,9 @@
 
 Every answer names the prompt's object and lists three different adjectives,
 each drawn from a GOOD or a BAD word list. An answer's quality is its number of
-good words, with penalties for talking about the wrong object (a quarter of the
-rejected answers) and for a broken answer — a repeated word, too many words, text
-after the full stop (another 15%: these stop PPO from "hacking" the reward by
-repeating good words). In every pair the chosen answer has strictly higher
+good words, with penalties for talking about the wrong object (15% of the
+rejected answers) and for a broken answer — too many words or text after the full
+stop (another 10%: these stop PPO from "hacking" the reward by piling up good words). In every pair the chosen answer has strictly higher
 quality than the rejected one. So:
 
 * step 1 learns the answer template (chosen answers are good on average, not
@@ -29,7 +28,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List
 
-VERSION = 2  # bump when the generator changes: it is part of every cache key
+VERSION = 3  # bump when the generator changes: it is part of every cache key
 
 NOUNS = (
     "lamp", "river", "garden", "city", "song", "book", "window", "forest", "teacher", "robot",
@@ -56,17 +55,13 @@ def _answer(rng: random.Random, noun: str, n_good: int) -> str:
 
 
 def _malformed(rng: random.Random, noun: str) -> str:
-    """All-good words but a broken answer: a repeated word, too many words, or rambling on."""
+    """All-good words but a broken answer: too many words, or rambling on past the full stop."""
     words = rng.sample(GOOD, N_ADJECTIVES)
-    kind = rng.randrange(3)
-    if kind == 0:
-        words[rng.randrange(1, N_ADJECTIVES)] = words[0]
-    elif kind == 1:
+    if rng.random() < 0.5:
         words += rng.sample([w for w in GOOD if w not in words], rng.randint(1, 3))
-    text = f" The {noun} is " + " and ".join(words) + "."
-    if kind == 2:
-        text += "".join(f" and {w}." for w in rng.sample(GOOD, rng.randint(1, 3)))
-    return text
+        return f" The {noun} is " + " and ".join(words) + "."
+    return f" The {noun} is " + " and ".join(words) + "." + "".join(
+        f" and {w}." for w in rng.sample(GOOD, rng.randint(1, 3)))
 
 
 def quality(answer: str, noun: str) -> int:
@@ -87,10 +82,10 @@ def _row(rng: random.Random) -> Dict[str, str]:
     good_rejected = rng.randint(0, good_chosen - 1)
     chosen = _answer(rng, noun, good_chosen)
     kind = rng.random()
-    if kind < 0.25:  # off-topic rejected answers: the reward must also check the object
+    if kind < 0.15:  # off-topic rejected answers: the reward must also check the object
         other = rng.choice([n for n in NOUNS if n != noun])
         rejected = _answer(rng, other, rng.randint(0, min(N_ADJECTIVES, good_chosen + 1)))
-    elif kind < 0.40:  # broken rejected answers: repeating good words must not pay
+    elif kind < 0.25:  # broken rejected answers: repeating good words must not pay
         rejected = _malformed(rng, noun)
     else:
         rejected = _answer(rng, noun, good_rejected)
