@@ -38,3 +38,19 @@ def run_entry(script, *args, env=None, timeout=900, cwd=None):
 @pytest.fixture
 def entry():
     return run_entry
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops_built():
+    """JIT-build DeepSpeed's CPU shm_comm op once, up front, with no resource limits.
+
+    Every ``deepspeed.init_distributed`` on CPU loads it; the first load compiles it
+    (~1-2 min) and holds a lock file meanwhile. Built here, before any test, so that no
+    test pays for it inside its own time budget and a test that limits file sizes (the
+    disk-full case) cannot kill the compiler and leave a stale lock that hangs every
+    later run.
+    """
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        pytest.exit("could not build DeepSpeed's shm_comm op:\n" + proc.stderr[-3000:], returncode=3)
