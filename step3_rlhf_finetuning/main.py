@@ -11,6 +11,11 @@ parse → distributed set-up → tokenizer → phase-3 prompts (+ unsupervised t
 PPO (+ LM loss on the unsupervised text, + EMA update) → save ``actor/``, ``critic/``
 and ``actor_ema/`` under ``--output_dir``. Sequence lengths are ``--max_prompt_seq_len``
 and ``--max_answer_seq_len`` (the shared ``--max_seq_len`` is not used here).
+
+With ``--save_interval N`` a resumable checkpoint is written every N PPO steps (actor
+and critic engines, the EMA actor, RNG states, prompt position, reward EMA, history);
+rerunning the command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no
+step-3 resume).
 """
 import argparse
 import math
@@ -23,8 +28,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (SCHEDULERS, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
-                             add_rlhf_role_args, validate_common)
+from utils.arguments import (SCHEDULERS, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
+                             add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg, validate_common)
 from utils.errors import UserInputError  # noqa: E402
 from utils.utils import run_main  # noqa: E402
 
@@ -52,6 +57,7 @@ def parse_args(argv=None):
                    help="Step-2 output folder: initialises both critic and reward model.")
     g.add_argument("--num_padding_at_beginning", type=int, default=1,
                    help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
+    add_trust_remote_code_arg(g)
     add_rlhf_role_args(parser, "actor", learning_rate=9.65e-6)
     add_rlhf_role_args(parser, "critic", learning_rate=5e-6)
 
@@ -107,6 +113,7 @@ def parse_args(argv=None):
     g.add_argument("--offload_reference_model", action="store_true", help="ZeRO-Offload the reference (and EMA) model.")
     g.add_argument("--offload_reward_model", action="store_true", help="ZeRO-Offload the reward model.")
     add_logging_args(parser, tensorboard_path="step3_tensorboard")
+    add_checkpoint_args(parser, unit="PPO steps")
     return parser.parse_args(argv)
 
 
@@ -148,21 +155,16 @@ def validate_step3(args) -> None:
 
 def create_datasets(args, tokenizer, log):
     """(prompt loader, unsupervised loader or None, PPO steps, total optimizer steps of each model)."""
-    from torch.utils.data import DataLoader, RandomSampler
-    from torch.utils.data.distributed import DistributedSampler
-
+    from utils.checkpoint import resumable_loader
     from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
     from utils.data.unsupervised import get_unsupervised_data
-    from utils.utils import get_world_size
 
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
                                        args.seed, tokenizer, args.max_prompt_seq_len,
                                        end_of_conversation_token=args.eot_token, log=log.info)
 
-    def loader(dataset, batch_size, **kw):
-        sampler = (DistributedSampler(dataset, seed=args.seed) if get_world_size() > 1
-                   else RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed)))
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw)
+    def loader(dataset, batch_size, **kw):  # shuffled per (seed, epoch); a checkpoint restores its position
+        return resumable_loader(dataset, batch_size, args.seed, **kw)
 
     prompt_loader = loader(prompts, args.per_device_generation_batch_size,
                            collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
@@ -279,17 +281,20 @@ def main(args):
                                                    ExponentialMovingAverage, MiniDataset, step3_throughput,
                                                    summarize_experience, throughput_lines)
     from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
+    from utils.checkpoint import CheckpointManager, ModuleState
     from utils.compat import check_zero_combination
     from utils.errors import check_finite
     from utils.logger import TrainLogger
     from utils.model.critic import save_reward_model
     from utils.model.model_utils import load_hf_tokenizer, save_hf_format
+    from utils.preflight import check_output_dir_writable
     from utils.utils import get_world_size, init_distributed, on_cpu, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: checks, distributed, precision
     validate_step3(args)
     check_zero_combination(args)
     check_critic_folder(args.critic_model_name_or_path)
+    check_output_dir_writable(args.output_dir)
     device = init_distributed(args)
     resolve_dtype(args)
     mixing = unsupervised_enabled(args)
@@ -306,7 +311,8 @@ def main(args):
 
     # ---- tokenizer, data, models
     eot = args.eot_token if args.add_eot_token else None
-    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, add_special_tokens=eot)
+    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, add_special_tokens=eot,
+                                  trust_remote_code=args.trust_remote_code)
     prompt_loader, unsup_loader, ppo_steps, total_iters = create_datasets(args, tokenizer, log)
     engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
                                  num_total_iters=total_iters)
@@ -316,20 +322,51 @@ def main(args):
     unsup_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
 
     perf_constants = throughput_constants(args, engine)
+    ema_reward = ExponentialMovingAverage()
+    history, ppo_step, gen_step, dropped_logged = [], 0, 0, 0
+    start_epoch, skip_batches = 0, 0
+    stats = timing = None
+
+    # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
+    # trained, so it is rebuilt from the step-1 folder instead of being saved
+    ckpt = CheckpointManager.from_args(args, log, config_keys=(
+        "actor_model_name_or_path", "critic_model_name_or_path", "data_path", "data_split", "seed",
+        "unsupervised_dataset_name", "per_device_generation_batch_size", "per_device_training_batch_size",
+        "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len", "gradient_accumulation_steps",
+        "actor_zero_stage", "critic_zero_stage", "actor_lora_dim", "critic_lora_dim", "dtype", "enable_ema"))
+    engines = {"actor": engine.actor, "critic": engine.critic}
+    if engine.actor_ema is not None:
+        engines["actor_ema"] = ModuleState(engine.actor_ema)
+    resumed = ckpt.resume(engines)
+    if resumed:
+        start_epoch, skip_batches = resumed["epoch"], resumed["batches_in_epoch"]
+        ppo_step, gen_step, history = resumed["ppo_step"], resumed["gen_step"], resumed["history"]
+        ema_reward.ema, dropped_logged = resumed["ema_reward"], resumed["dropped_logged"]
+        trainer.dropped_total = resumed["dropped_total"]
+        exp_mini.dataset, unsup_mini.dataset = resumed["exp_mini"], resumed["unsup_mini"]
+        stats, timing = resumed["stats"], resumed["timing"]
+
+    def trainer_state(epoch: int, batches_in_epoch: int) -> dict:
+        """What a resumed run needs besides the engines and RNGs (tensors, numbers and lists only)."""
+        return {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "ppo_step": ppo_step, "gen_step": gen_step,
+                "history": history, "ema_reward": ema_reward.ema, "dropped_logged": dropped_logged,
+                "dropped_total": trainer.dropped_total, "exp_mini": exp_mini.dataset,
+                "unsup_mini": unsup_mini.dataset, "stats": stats, "timing": timing}
 
     # ---- train
     log.info(f"***** Running PPO: {ppo_steps} PPO steps, {total_iters} optimizer steps per model, "
              f"unsupervised mixing {'on' if mixing else 'off'} *****")
-    ema_reward = ExponentialMovingAverage()
-    history, ppo_step, gen_step, dropped_logged = [], 0, 0, 0
-    stats = timing = None
-    for epoch in range(args.num_train_epochs):
+    for epoch in range(start_epoch, args.num_train_epochs):
+        skip = skip_batches if epoch == start_epoch else 0
         for loader in (prompt_loader, unsup_loader):
-            if loader is not None and hasattr(loader.sampler, "set_epoch"):
-                loader.sampler.set_epoch(epoch)
+            if loader is not None:
+                loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
         batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
         total = min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader)
-        for batch_prompt, batch_unsup in log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total):
+        if args.max_steps and ppo_step >= args.max_steps:
+            break
+        for batch_in_epoch, (batch_prompt, batch_unsup) in enumerate(
+                log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
             gen_step += 1
             batch_prompt = to_device(batch_prompt, device)
             exp = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], gen_step)
@@ -379,6 +416,7 @@ def main(args):
                                                 "gen_tflops", "train_tflops", "samples_per_sec",
                                                 "gen_tokens_per_sec")})
             stats = timing = None
+            ckpt.step_done(ppo_step, engines, lambda: trainer_state(epoch, batch_in_epoch))
             if args.max_steps and ppo_step >= args.max_steps:
                 break
         if args.max_steps and ppo_step >= args.max_steps:

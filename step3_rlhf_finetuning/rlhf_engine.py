@@ -113,7 +113,8 @@ class DeepSpeedRLHFEngine:
             enable_tensorboard=args.enable_tensorboard, enable_mixed_precision_lora=args.enable_mixed_precision_lora,
             tb_path=args.tensorboard_path, tb_name="step3_actor")
         self._batch(ds_config, args.gradient_accumulation_steps_actor)
-        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config, dropout=args.actor_dropout)
+        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config, dropout=args.actor_dropout,
+                                trust_remote_code=args.trust_remote_code)
         self._check_length(model)
         engine = self._initialize(self._lora(model, "actor"), ds_config, role="actor")
         if args.enable_mixed_precision_lora:
@@ -134,7 +135,8 @@ class DeepSpeedRLHFEngine:
         stage = 3 if args.actor_zero_stage == 3 else 0
         ds_config = self._batch(get_eval_ds_config(args.offload_reference_model, args.dtype, stage),
                                 args.gradient_accumulation_steps_actor)
-        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config)
+        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config,
+                                trust_remote_code=args.trust_remote_code)
         if lora and args.actor_lora_dim > 0:  # same parameter list as the actor, for the EMA update
             self._lora(model, "actor")
         engine = self._initialize(model, ds_config)
@@ -154,7 +156,8 @@ class DeepSpeedRLHFEngine:
                                    args.gradient_accumulation_steps)
         model = create_critic_model(path, self.tokenizer, model_config, args.num_padding_at_beginning,
                                     rlhf_training=True, dropout=args.critic_dropout,
-                                    zero_stage=args.critic_zero_stage, compute_fp32_loss=args.compute_fp32_loss)
+                                    zero_stage=args.critic_zero_stage, compute_fp32_loss=args.compute_fp32_loss,
+                                    trust_remote_code=args.trust_remote_code)
         # unlike the reference, --only_optimize_lora keeps the value head trainable
         engine = self._initialize(self._lora(model, "critic", force_optimize=("v_head",)), ds_config, role="critic")
         if args.critic_gradient_checkpointing:
@@ -171,7 +174,7 @@ class DeepSpeedRLHFEngine:
                                 args.gradient_accumulation_steps)
         model = create_critic_model(path, self.tokenizer, ds_config, args.num_padding_at_beginning,
                                     rlhf_training=True, dropout=args.critic_dropout, zero_stage=stage,
-                                    compute_fp32_loss=args.compute_fp32_loss)
+                                    compute_fp32_loss=args.compute_fp32_loss, trust_remote_code=args.trust_remote_code)
         engine = self._initialize(model, ds_config)
         _log_init("reward", start)
         return engine

@@ -37,9 +37,14 @@ def add_model_args(parser: argparse.ArgumentParser):
                    help="Hub name (facebook/opt-1.3b), local HF folder, or built-in tiny-opt / tiny-llama / small-opt.")
     g.add_argument("--dropout", type=float, default=None, help="Override the model's dropout fields.")
     g.add_argument("--gradient_checkpointing", action="store_true", help="Enable activation checkpointing.")
-    g.add_argument("--trust_remote_code", action="store_true",
-                   help="Allow model folders to run their own Python code (off by default).")
+    add_trust_remote_code_arg(g)
     return g
+
+
+def add_trust_remote_code_arg(group) -> None:
+    """``--trust_remote_code``: off unless asked for (a hub/model folder's own Python code is never run by default)."""
+    group.add_argument("--trust_remote_code", action="store_true",
+                       help="Allow model folders to run their own Python code (off by default).")
 
 
 def add_training_args(parser: argparse.ArgumentParser):
