@@ -112,6 +112,9 @@ def test_doc_is_generated_from_the_table():
     with open(gen.DOC) as f:
         assert f.read() == gen.render(gen.tested_cells(), sweep), \
             "docs/zero_matrix.md is stale: run .venv/bin/python scripts/gen_matrix_table.py"
+    with open(gen.README) as f:
+        assert gen.render_readme_section(gen.tested_cells(), sweep) in f.read(), \
+            "the README's ZeRO matrix is stale: run .venv/bin/python scripts/gen_matrix_table.py"
     cells = sweep.get("cells", {})
     wrong = {k: v for k, v in cells.items() if v["observed"] != expected_outcome(_combo(k))}
     assert not wrong, f"the sweep saw other outcomes than the table says: {wrong}"
