@@ -183,6 +183,20 @@ def assert_cache_built_once(result: RunResult, phase: int) -> None:
     assert not [f for f in files if ".tmp" in f], f"half-written cache files left behind: {files}"
 
 
+def assert_no_shm_buffer_left(result: RunResult) -> None:
+    """DeepSpeed's CPU all-reduce buffers (66 MB of RAM per rank in /dev/shm) are unlinked at exit.
+
+    Only the ``deepspeed`` launcher sets LOCAL_SIZE, which makes DeepSpeed create them (and never
+    unlink them: before ``utils.utils._remove_shm_buffer`` every such run left its buffers behind)."""
+    import glob
+
+    args = result.proc.args
+    if "--master_port" not in args:
+        return
+    port = args[args.index("--master_port") + 1]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+
+
 def close(a: float, b: float, rel: float = 1e-5) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
 
@@ -201,6 +215,7 @@ def test_step1_two_ranks(runs):
         assert not any("lora" in k for k in model.state_dict()), "LoRA must be fused before saving"
         assert_rank0_only(result, "ppl before training")
         assert_cache_built_once(result, 1)
+        assert_no_shm_buffer_left(result)
 
     z2 = runs["step1_z2"]
     # global batch = 4 micro × 2 ranks × 2 accumulation: one epoch of 80 rows is 5 optimizer steps
