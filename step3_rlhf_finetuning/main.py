@@ -163,17 +163,15 @@ def create_datasets(args, tokenizer, log):
                                        args.seed, tokenizer, args.max_prompt_seq_len,
                                        end_of_conversation_token=args.eot_token, log=log.info)
 
-    def loader(dataset, batch_size, **kw):  # shuffled per (seed, epoch); a checkpoint restores its position
-        return resumable_loader(dataset, batch_size, args.seed, **kw)
-
-    prompt_loader = loader(prompts, args.per_device_generation_batch_size,
-                           collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
+    # shuffled per (seed, epoch); a checkpoint restores their position
+    prompt_loader = resumable_loader(prompts, args.per_device_generation_batch_size, args.seed,
+                                     collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
     batches = len(prompt_loader)
     unsup_loader = None
     if unsupervised_enabled(args):
         text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
                                      args.max_prompt_seq_len + args.max_answer_seq_len, log=log.info)
-        unsup_loader = loader(text, args.per_device_generation_batch_size, drop_last=True)
+        unsup_loader = resumable_loader(text, args.per_device_generation_batch_size, args.seed, drop_last=True)
         batches = min(batches, len(unsup_loader))
         if batches == 0:
             raise UserInputError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: {len(text)} "
@@ -357,14 +355,14 @@ def main(args):
     log.info(f"***** Running PPO: {ppo_steps} PPO steps, {total_iters} optimizer steps per model, "
              f"unsupervised mixing {'on' if mixing else 'off'} *****")
     for epoch in range(start_epoch, args.num_train_epochs):
+        if args.max_steps and ppo_step >= args.max_steps:
+            break
         skip = skip_batches if epoch == start_epoch else 0
         for loader in (prompt_loader, unsup_loader):
             if loader is not None:
                 loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
         batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
         total = min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader)
-        if args.max_steps and ppo_step >= args.max_steps:
-            break
         for batch_in_epoch, (batch_prompt, batch_unsup) in enumerate(
                 log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
             gen_step += 1
@@ -419,8 +417,6 @@ def main(args):
             ckpt.step_done(ppo_step, engines, lambda: trainer_state(epoch, batch_in_epoch))
             if args.max_steps and ppo_step >= args.max_steps:
                 break
-        if args.max_steps and ppo_step >= args.max_steps:
-            break
 
     # ---- summary
     ref_unchanged = parameter_checksum(engine.ref, args.actor_zero_stage) == ref_checksum
