@@ -70,7 +70,7 @@ def main(args):
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset
+    from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
     from utils.errors import check_finite
     from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
     from utils.logger import TrainLogger
@@ -110,7 +110,7 @@ def main(args):
         args.max_seq_len, end_of_conversation_token=tokenizer.eos_token,
         sft_only_data_path=args.sft_only_data_path, log=log.info)
     distributed = get_world_size() > 1
-    collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len)
+    collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
@@ -156,6 +156,7 @@ def main(args):
         train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
         log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
+        accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
         for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step1 epoch {epoch + 1}"), start=skip):
             if finished():
                 break
@@ -163,15 +164,19 @@ def main(args):
             batch = to_device(batch, device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
             loss = causal_lm_loss(logits, batch["labels"], args.compute_fp32_loss)
-            check_finite(step + 1, loss=loss)
             model.backward(loss)
             model.step()
+            accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
+            # the step's one host sync; a NaN in any micro-batch of the step stops the run before any save
+            loss_value, accumulated_value = torch.stack([loss.detach().float(), accumulated]).tolist()
+            accumulated = None
+            check_finite(step + 1, loss=loss_value if math.isfinite(accumulated_value) else accumulated_value)
             step = model.global_steps
             if args.print_loss:
-                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss.item():.4f}")
-            log.scalars(step, "train", loss=loss.item(), lr=lr_scheduler.get_last_lr()[0])
+                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
+            log.scalars(step, "train", loss=loss_value, lr=lr_scheduler.get_last_lr()[0])
             if step % 10 == 0 or step == total_steps:
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          args.per_device_train_batch_size, batch["input_ids"].shape[1],

@@ -142,7 +142,7 @@ def main(args):
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
+    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
     from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
     from utils.errors import check_finite
     from utils.logger import TrainLogger
@@ -187,7 +187,7 @@ def main(args):
         args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
         log=log.info)
     distributed = get_world_size() > 1
-    collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len)
+    collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed

@@ -107,7 +107,7 @@ def main(args):
     from transformers import get_scheduler
 
     from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset
+    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
     from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
     from utils.errors import check_finite
     from utils.logger import TrainLogger
@@ -149,7 +149,7 @@ def main(args):
         log=log.info)
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning, log)
     distributed = get_world_size() > 1
-    collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len)
+    collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
@@ -202,16 +202,17 @@ def main(args):
             start = time.time()
             batch = to_device(batch, device)
             loss = model(**batch, use_cache=False)["loss"]
-            check_finite(step + 1, loss=loss)
             model.backward(loss)
             model.step()
-            loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+            loss_value = loss.item()  # the micro-step's one host sync (a NaN stops the run before any save)
+            check_finite(step + 1, loss=loss_value)
+            loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
             step = model.global_steps
             if args.print_loss:
-                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss.item():.4f}")
-            log.scalars(step, "train", loss=loss.item(), lr=lr_scheduler.get_last_lr()[0])
+                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
+            log.scalars(step, "train", loss=loss_value, lr=lr_scheduler.get_last_lr()[0])
             if step % 10 == 0 or step == total_steps:
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from utils.arguments import (SCHEDULERS, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
                              add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg, validate_common)
 from utils.errors import UserInputError  # noqa: E402
+from utils.generation import BACKENDS  # noqa: E402
 from utils.utils import run_main  # noqa: E402
 
 
@@ -95,13 +96,19 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
     g.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off; with --do_sample).")
     g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
+    g.add_argument("--generation_backend", default="auto", choices=BACKENDS,
+                   help="How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
+                        "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, hf on "
+                        "CPU. Falls back to hf, saying why, for ZeRO-3 and unchecked architectures.")
     g.add_argument("--print_answers", action="store_true", help="Print prompts and answers during training.")
     g.add_argument("--print_answers_interval", type=int, default=1, help="... every this many generation batches.")
 
     add_deepspeed_args(parser)
     g = parser.add_argument_group("hybrid engine and offload")
     g.add_argument("--enable_hybrid_engine", action="store_true",
-                   help="DeepSpeed hybrid engine for the actor's generation (GPU only; plain generate on CPU).")
+                   help="DeepSpeed hybrid engine for the actor's generation, where DeepSpeed has an inference policy "
+                        "for its layers (none for OPT/Llama under transformers 5: step 3 says so and uses "
+                        "--generation_backend).")
     g.add_argument("--unpin_actor_parameters", action="store_true",
                    help="Hybrid engine: unpin the actor's parameters during generation (less memory, slower).")
     g.add_argument("--release_inference_cache", action="store_true",
@@ -286,7 +293,7 @@ def main(args):
     from utils.model.critic import save_reward_model
     from utils.model.model_utils import load_hf_tokenizer, save_hf_format
     from utils.preflight import check_output_dir_writable
-    from utils.utils import get_world_size, init_distributed, on_cpu, resolve_dtype, set_random_seed, to_device
+    from utils.utils import get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: checks, distributed, precision
     validate_step3(args)
@@ -299,10 +306,6 @@ def main(args):
     args.gradient_accumulation_steps_actor = args.gradient_accumulation_steps * (2 if mixing else 1)
     set_random_seed(args.seed)
     log = TrainLogger("step3_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
-    if args.enable_hybrid_engine and on_cpu():
-        log.warning("--enable_hybrid_engine: DeepSpeed's hybrid engine cannot run on CPU; "
-                    "generating with plain Hugging Face generate instead")
-        args.enable_hybrid_engine = False
     if args.align_overflow and args.dtype != "fp16":
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
         args.align_overflow = False

@@ -155,7 +155,8 @@ class DeepSpeedPPOTrainer:
         self.pad_token_id = self.tokenizer.pad_token_id
         self.eos_token_id = end_of_answer_token_id(self.tokenizer, args)
         self.z3_enabled = args.actor_zero_stage == 3
-        self.hybrid_engine = getattr(args, "enable_hybrid_engine", False)
+        self.hybrid_engine = getattr(rlhf_engine, "hybrid_engine_active", False)
+        self.generator = self._make_generator(getattr(args, "generation_backend", "auto"))
         self.compute_fp32_loss = getattr(args, "compute_fp32_loss", False)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = args.temperature if getattr(args, "do_sample", False) else 1.0
@@ -166,19 +167,43 @@ class DeepSpeedPPOTrainer:
 
     # ------------------------------------------------------------------ experience
 
-    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+    def _make_generator(self, requested: str):
+        """The actor's generation path, chosen once (and said once): DeepSpeed's hybrid engine when it is
+        active, else :func:`utils.generation.choose_backend` — a :class:`StaticGenerator` or None (plain
+        ``generate``)."""
+        from utils.generation import StaticGenerator, choose_backend
+
+        if self.hybrid_engine:
+            self.generation_backend = "hybrid-engine"
+            self.log("generation: DeepSpeed hybrid engine")
+            return None
+        backend, why = choose_backend(requested, self.actor_model.module, self.args.actor_zero_stage)
+        self.generation_backend = backend
+        self.log(f"generation: {backend} backend" + (f" ({why})" if why else ""))
+        if backend == "hf":
+            return None
+        return StaticGenerator(self.actor_model.module, self.args.max_prompt_seq_len, self.max_answer_seq_len,
+                               self.eos_token_id, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
+                               log=self.log)
+
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id."""
         args = self.args
-        kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len, pad_token_id=self.pad_token_id,
-                      eos_token_id=self.eos_token_id, synced_gpus=self.z3_enabled, use_cache=True,
-                      do_sample=bool(getattr(args, "do_sample", False)))
-        if kwargs["do_sample"]:
-            kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-        else:
-            kwargs.update(temperature=None, top_k=None, top_p=None)
-        generator = self.actor_model if self.hybrid_engine else self.actor_model.module
+        do_sample = bool(getattr(args, "do_sample", False))
         with torch.no_grad():
-            seq = generator.generate(prompts, **kwargs)
+            if self.generator is not None:
+                seq = self.generator.generate(prompts, mask, do_sample=do_sample, temperature=args.temperature,
+                                              top_k=args.top_k, top_p=args.top_p)
+            else:
+                kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
+                              pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                              synced_gpus=self.z3_enabled, use_cache=True, do_sample=do_sample)
+                if do_sample:
+                    kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+                else:
+                    kwargs.update(temperature=None, top_k=None, top_p=None)
+                # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
+                seq = self.actor_model.module.generate(prompts, **kwargs)
         self.generated_tokens = seq.shape[1] - prompts.shape[1]
         return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id)
 
@@ -198,7 +223,7 @@ class DeepSpeedPPOTrainer:
         """
         start = time.time()
         self.eval()
-        seq = self._generate_sequence(prompts, mask, step)
+        seq = self._generate_sequence(prompts, mask)
         self.generate_time = time.time() - start
         self.train()
 

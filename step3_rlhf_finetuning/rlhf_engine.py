@@ -16,14 +16,19 @@ reward      step-2 folder           eval: ZeRO 3 iff the critic's is 3, else 0;
 With unsupervised mixing the actor accumulates twice as many micro-batches per
 optimizer step (``args.gradient_accumulation_steps_actor``), so the PPO and the LM
 gradient of a micro-batch share one update, as in DeepSpeed-Chat.
+
+``--enable_hybrid_engine`` turns DeepSpeed's hybrid engine on only where it can
+accelerate the actor (:func:`hybrid_engine_support`); otherwise step 3 says why once
+and the trainer generates with the project's own path (:mod:`utils.generation`).
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
 from utils.errors import UserInputError
-from utils.utils import get_world_size, print_rank_0
+from utils.utils import get_world_size, on_cpu, print_rank_0
 
 
 def _log_init(name: str, start: float | None = None) -> float:
@@ -39,6 +44,35 @@ def enable_gradient_checkpointing(engine) -> None:
     engine.module.gradient_checkpointing_enable()
 
 
+def hybrid_engine_support(model) -> tuple[bool, str]:
+    """``(usable, reason)``: can DeepSpeed's hybrid engine accelerate ``model``'s generation?
+
+    The hybrid engine swaps each decoder layer whose class one of DeepSpeed's
+    ``replace_policies`` names for a fused inference kernel. Those kernels implement
+    the legacy tuple KV cache: a layer whose ``forward`` takes transformers' ``Cache``
+    API (``past_key_values`` / ``cache_position`` — every OPT and Llama layer under
+    transformers 5) cannot be swapped. DeepSpeed 0.19 skips OPT for that reason and
+    then crashes in ``generate`` (no ``_generate``); for Llama it would inject kernels
+    fed the wrong cache. Usable only when a policy matches a layer of the legacy kind.
+    """
+    import deepspeed
+    from deepspeed.module_inject.replace_policy import replace_policies
+
+    present = {type(m) for m in model.modules()}
+    for policy in replace_policies:
+        policy(None)  # resolves policy._orig_layer_class against the installed transformers
+        classes = policy._orig_layer_class
+        for cls in classes if isinstance(classes, list) else [classes]:
+            if cls is None or cls not in present:
+                continue
+            params = inspect.signature(cls.forward).parameters
+            if "past_key_values" in params or "cache_position" in params:
+                return False, (f"DeepSpeed {deepspeed.__version__}'s {policy.__name__} kernels use the legacy tuple "
+                               f"KV cache but {cls.__name__} takes transformers' Cache API")
+            return True, f"DeepSpeed inference policy {policy.__name__} for {cls.__name__}"
+    return False, f"DeepSpeed {deepspeed.__version__} has no inference policy for {type(model).__name__}"
+
+
 class DeepSpeedRLHFEngine:
     """Builds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic`` and ``reward`` engines (see module docstring)."""
 
@@ -46,6 +80,7 @@ class DeepSpeedRLHFEngine:
         self.args = args
         self.tokenizer = tokenizer
         self.num_total_iters = num_total_iters
+        self.hybrid_engine_active = False  # set by _init_actor
         self.actor = self._init_actor(actor_model_name_or_path)
         self.ref = self._init_frozen_actor(actor_model_name_or_path, "ref", lora=False)
         self.actor_ema = (self._init_frozen_actor(actor_model_name_or_path, "EMA", lora=True)
@@ -116,6 +151,15 @@ class DeepSpeedRLHFEngine:
         model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config, dropout=args.actor_dropout,
                                 trust_remote_code=args.trust_remote_code)
         self._check_length(model)
+        if args.enable_hybrid_engine:
+            usable, why = hybrid_engine_support(model)
+            if usable and on_cpu():
+                usable, why = False, f"{why}, but its kernels need a GPU"
+            self.hybrid_engine_active = usable
+            ds_config["hybrid_engine"]["enabled"] = usable
+            print_rank_0(f"--enable_hybrid_engine: {why}; "
+                         + ("generating with DeepSpeed's inference kernels" if usable else
+                            "generating with the project's own path instead (--generation_backend)"))
         engine = self._initialize(self._lora(model, "actor"), ds_config, role="actor")
         if args.enable_mixed_precision_lora:
             engine.optimizer.quantize_nontrainable_params()

@@ -243,3 +243,13 @@ def test_check_data_sources_reads_local_files_but_not_the_hub(tmp_path, monkeypa
     du.check_data_sources(["Dahoas/rm-static", SMALL], str(tmp_path), SEED)
     with pytest.raises(UserInputError, match="not a supported dataset name"):
         du.check_data_sources(["nope/nothing"], str(tmp_path), SEED)
+
+
+def test_batches_are_rounded_to_128_on_a_gpu_and_8_on_a_cpu():
+    assert du.pad_multiple(torch.device("cuda", 0)) == 128 and du.pad_multiple(torch.device("cpu")) == 8
+    samples = [torch.arange(1, 101), torch.arange(1, 31)]
+    assert du.DataCollatorSFT(0, 512, 128)(samples)["input_ids"].shape == (2, 128)
+    assert du.DataCollatorSFT(0, 512)(samples)["input_ids"].shape == (2, 104)
+    assert du.DataCollatorSFT(0, 120, 128)(samples)["input_ids"].shape == (2, 120)  # never beyond max_seq_len
+    pairs = [(torch.arange(1, 200), torch.arange(1, 50))]
+    assert du.DataCollatorReward(0, 512, 128)(pairs)["input_ids"].shape == (2, 256)

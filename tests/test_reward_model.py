@@ -206,3 +206,46 @@ def test_missing_keys_and_folders_are_user_errors(opt, tmp_path):
         load_reward_model(str(empty))
     with pytest.raises(UserInputError, match="no such folder"):
         load_reward_model(str(tmp_path / "nowhere"))
+
+
+# --------------------------------------------------------------------------- bf16: the value head runs in fp32
+
+class _Bf16Backbone(torch.nn.Module):
+    """Stand-in backbone: token id -> a fixed 2-d hidden state, in bf16 (as under DeepSpeed bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"hidden_size": 2})()
+        table = torch.zeros(10, 2)
+        table[:, 0] = 1.40625          # a large offset common to every token (exactly representable)
+        table[7, 1] = 0.00390625       # token 7 (only in the chosen answer) adds 0.5 * 2^-8 to the score
+        self.table = torch.nn.Parameter(table.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return (self.table[input_ids],)
+
+
+def test_bf16_scores_keep_differences_below_bf16_resolution():
+    # chosen and rejected differ by 0.00195 at |score| 1.41, under bf16's step there (2^-7 = 0.0078):
+    # a bf16 head (DeepSpeed-Chat, and this project before the fix) rounds both to 1.40625, so the
+    # pair ties (accuracy 0, loss exactly ln 2) -- the "collapse" seen on a GPU in bf16.
+    from utils.model.reward_model import RewardModel
+
+    tokenizer = type("Tok", (), {"pad_token_id": 0, "eos_token_id": 0})()
+    model = RewardModel(_Bf16Backbone(), tokenizer, num_padding_at_beginning=1).to(torch.bfloat16)
+    with torch.no_grad():
+        model.v_head.weight.copy_(torch.tensor([[1.0, 0.5]], dtype=torch.bfloat16))
+    ids = torch.tensor([[0, 5, 7, 0],    # chosen: BOS, prompt 5, answer 7, EOS
+                        [0, 5, 6, 0]])   # rejected: answer 6
+    out = model(ids, attention_mask=torch.ones_like(ids))
+    assert out["chosen_mean_scores"].dtype == torch.float32
+    assert out["chosen_mean_scores"].item() == pytest.approx(1.40625 + 0.001953125, abs=1e-6)
+    assert out["rejected_mean_scores"].item() == pytest.approx(1.40625, abs=1e-6)
+    assert out["chosen_mean_scores"].item() > out["rejected_mean_scores"].item()
+    # loss over the diverging span [2, 3): -log sigmoid(0.001953) < ln 2
+    assert out["loss"].item() == pytest.approx(-torch.nn.functional.logsigmoid(torch.tensor(0.001953125)).item(),
+                                               abs=1e-6)
+    assert out["loss"].item() < 0.6931
+    values = model.forward_value(ids, prompt_length=2)
+    assert values["values"].dtype == torch.float32
+    assert values["chosen_end_scores"].tolist() == pytest.approx([1.40625 + 0.001953125, 1.40625], abs=1e-6)

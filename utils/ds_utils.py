@@ -118,7 +118,14 @@ def get_optimizer_grouped_parameters(model, weight_decay: float, lora_lr: float 
 
 def create_optimizer(model, weight_decay: float, learning_rate: float, lora_learning_rate: float,
                      offload: bool, betas=(0.9, 0.95)):
-    """DeepSpeedCPUAdam with ``--offload``; FusedAdam on a GPU; torch AdamW on CPU otherwise."""
+    """DeepSpeedCPUAdam with ``--offload``; else torch's AdamW (``fused=True`` on a GPU).
+
+    DeepSpeed-Chat uses DeepSpeed's FusedAdam on a GPU. torch's fused AdamW runs the
+    same decoupled-weight-decay Adam update in one multi-tensor kernel, and needs no
+    JIT build of a CUDA extension (FusedAdam compiles for ~1 min on every fresh
+    machine, needs nvcc, and fails outright where DeepSpeed cannot parse the GPU's
+    architecture list, e.g. ``9.0a`` on an H100 with CUDA 13).
+    """
     from deepspeed.accelerator import get_accelerator
 
     groups = get_optimizer_grouped_parameters(model, weight_decay, lora_learning_rate)
@@ -126,10 +133,7 @@ def create_optimizer(model, weight_decay: float, learning_rate: float, lora_lear
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas)
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(groups, lr=learning_rate, betas=betas)
     import torch
 
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+    fused = get_accelerator().device_name() == "cuda"
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)

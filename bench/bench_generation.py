@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Generation speed of the actor's backends: ``hf`` (model.generate), ``static`` and ``cuda-graph``.
+
+    .venv/bin/python bench/bench_generation.py                               # CPU: tiny-opt, small-opt
+    python3 bench/bench_generation.py --models opt-1.3b --dtype bf16         # GPU: random OPT-1.3B shape
+    python3 bench/bench_generation.py --models opt-1.3b llama-1b --batch 16 --prompt 256 --answer 256
+
+Built-in names (``tiny-opt``, ``small-opt``, ``tiny-llama``) are the project's tiny
+models; ``opt-1.3b``, ``opt-350m`` and ``llama-1b`` are random-initialised models of
+those shapes built from a config (no download). Prompts are random tokens, left padded
+by a few positions in half of the rows; EOS is disabled so every row decodes the full
+answer length (the worst case step 3 can meet). For each backend: prefill time, decode
+time per token, tokens/s (batch × answer tokens / total time), the one-off capture time,
+peak GPU memory, and whether its greedy output equals ``hf``'s token for token.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+sys.path.insert(0, REPO)
+
+SHAPES = {  # random-initialised models of real shapes (vocab 8192, as the GPU recipe's tokenizer)
+    "opt-1.3b": dict(arch="opt", hidden=2048, layers=24, heads=32, ffn=8192, proj=2048, pre_ln=True),
+    "opt-350m": dict(arch="opt", hidden=1024, layers=24, heads=16, ffn=4096, proj=512, pre_ln=False),
+    "llama-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, ffn=8192),
+}
+
+
+def build_model(name: str, dtype, device):
+    """A causal LM: a built-in tiny model, or a random one of a real shape (:data:`SHAPES`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+
+    if name not in SHAPES:
+        from utils.model.tiny import resolve_model_path
+
+        return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype).to(device)
+    s = SHAPES[name]
+    if s["arch"] == "opt":
+        config = OPTConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                           num_attention_heads=s["heads"], ffn_dim=s["ffn"], word_embed_proj_dim=s["proj"],
+                           do_layer_norm_before=s["pre_ln"], max_position_embeddings=2048,
+                           pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    else:
+        config = LlamaConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                             num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                             intermediate_size=s["ffn"], max_position_embeddings=2048,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype)
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(model, backend: str, ids, mask, answer: int, device, repeats: int):
+    """(output of the last repeat, {prefill_s, decode_ms_per_token, tokens_per_s, capture_s, total_s})."""
+    import torch
+
+    from utils.generation import StaticGenerator
+
+    B, P = ids.shape
+    no_eos = -1  # never emitted: every row decodes `answer` tokens
+    pad = model.config.pad_token_id
+    if backend == "hf":
+        kw = dict(attention_mask=mask, max_new_tokens=answer, do_sample=False,
+                  pad_token_id=pad, eos_token_id=None, temperature=None, top_k=None, top_p=None)
+        call = lambda: model.generate(ids, **kw)  # noqa: E731
+        prefill = lambda: model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1)  # noqa: E731
+        gen = None
+    else:
+        gen = StaticGenerator(model, P, answer, no_eos, pad, use_cuda_graph=backend == "cuda-graph")
+        call = lambda: gen.generate(ids, mask)  # noqa: E731
+        prefill = None
+    with torch.no_grad():
+        out = call()  # warm-up (and, for cuda-graph, the one-off capture)
+        sync(device)
+        start = time.time()
+        for _ in range(repeats):
+            out = call()
+        sync(device)
+        total = (time.time() - start) / repeats
+        if prefill is not None:
+            start = time.time()
+            for _ in range(repeats):
+                prefill()
+            sync(device)
+            prefill_s = (time.time() - start) / repeats
+        else:
+            prefill_s = gen.last_prefill_seconds
+    decode = max(total - prefill_s, 1e-9) / max(answer - 1, 1)
+    return out, {"prefill_s": prefill_s, "decode_ms_per_token": decode * 1000, "tokens_per_s": B * answer / total,
+                 "capture_s": gen.capture_seconds if gen is not None else 0.0, "total_s": total}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=None, help="default: tiny-opt small-opt (CPU), opt-1.3b (GPU)")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: hf static (+ cuda-graph on a GPU)")
+    parser.add_argument("--batch", type=int, default=None, help="default 8 on CPU, 16 on a GPU")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32 on CPU, 256 on a GPU)")
+    parser.add_argument("--answer", type=int, default=None, help="answer tokens (default 32 on CPU, 256 on a GPU)")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default fp32 CPU, bf16 GPU")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    models = args.models or (["opt-1.3b"] if cuda else ["tiny-opt", "small-opt"])
+    backends = args.backends or (["hf", "static", "cuda-graph"] if cuda else ["hf", "static"])
+    B = args.batch or (16 if cuda else 8)
+    P = args.prompt or (256 if cuda else 32)
+    A = args.answer or (256 if cuda else 32)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype or
+                                                                                   ("bf16" if cuda else "fp32")]
+    where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    lines = [f"generation on {where}, torch {torch.__version__}: batch {B}, prompt {P} (half the rows left padded "
+             f"by 1-7), answer {A} tokens, greedy, {str(dtype).replace('torch.', '')}, mean of {args.repeats} after "
+             "1 warm-up", "",
+             "| model | backend | prefill (ms) | decode (ms/token) | tokens/s | speed-up vs hf | capture (s) | "
+             "peak GPU memory (GiB) | greedy output = hf |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in models:
+        torch.manual_seed(0)
+        model = build_model(name, dtype, device).eval()
+        model.generation_config.eos_token_id = None  # no EOS: every row decodes the full answer
+        ids = torch.randint(4, model.config.vocab_size - 1, (B, P), device=device)
+        mask = torch.ones(B, P, dtype=torch.long, device=device)
+        for row in range(0, B, 2):
+            n = 1 + row % 7
+            ids[row, :n] = model.config.pad_token_id
+            mask[row, :n] = 0
+        reference = hf_stats = None
+        for backend in backends:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            out, stats = run(model, backend, ids, mask, A, device, args.repeats)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            if backend == "hf":
+                reference, hf_stats = out, stats
+            same = "—" if reference is None or backend == "hf" else (
+                "yes" if torch.equal(out[:, :reference.shape[1]], reference) else
+                f"no ({(out[:, P:reference.shape[1]] != reference[:, P:]).any(dim=1).sum().item()}/{B} rows differ)")
+            speedup = f"{hf_stats['total_s'] / stats['total_s']:.2f}x" if hf_stats else "—"
+            lines.append(f"| {name} | {backend} | {stats['prefill_s'] * 1000:.1f} | {stats['decode_ms_per_token']:.2f} "
+                         f"| {stats['tokens_per_s']:.0f} | {speedup} | {stats['capture_s']:.2f} | {peak:.2f} | {same} |")
+            print(lines[-1], flush=True)
+        del model
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The static-cache generation path (utils.generation) and the hybrid-engine decision (step 3).
+
+Token-identity with ``model.generate`` on CPU (fp32): left-padded prompts of different
+lengths, EOS in the middle of a batch, LoRA on and off, early stop, batches smaller than
+the allocated one; seeded sampling; the exact LoRA restore; the backend choice.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from utils.generation import StaticGenerator, choose_backend, lora_fused
+from utils.model.model_utils import load_hf_tokenizer
+from utils.model.tiny import resolve_model_path
+from utils.module.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
+
+P, A = 10, 12
+
+
+def _model(name, lora=False):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name)).eval()
+    if lora:
+        convert_linear_layer_to_lora(model, "layers.", 4)
+        with torch.no_grad():  # a non-zero update, so LoRA changes the answers
+            for m in model.modules():
+                if isinstance(m, LinearLayer_LoRA):
+                    m.lora_left_weight.normal_(0, 0.5)
+    return model, load_hf_tokenizer(name)
+
+
+def _prompts(pad, rows=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 600, (rows, P), generator=g)
+    mask = torch.ones(rows, P, dtype=torch.long)
+    for row, n in enumerate([0, 3, 7, 1, 5, 2][:rows]):  # left padding of different lengths
+        ids[row, :n], mask[row, :n] = pad, 0
+    return ids, mask
+
+
+def _hf(model, ids, mask, eos, pad, **kw):
+    kw = kw or dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=A, pad_token_id=pad, eos_token_id=eos, **kw)
+
+
+def _padded(seq, pad):
+    return torch.cat([seq, seq.new_full((seq.shape[0], P + A - seq.shape[1]), pad)], dim=1)
+
+
+@pytest.mark.parametrize("name", ["tiny-opt", "tiny-llama"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_is_token_identical_to_generate_with_eos_mid_batch(name, lora):
+    model, tok = _model(name, lora)
+    pad = tok.pad_token_id
+    ids, mask = _prompts(pad)
+    # make the token row 0 emits 4th the "EOS", so some rows end mid-answer and others run on
+    free = _hf(model, ids, mask, eos=None, pad=pad)
+    eos = int(free[0, P + 3])
+    reference = _hf(model, ids, mask, eos=eos, pad=pad)
+    ended = (reference[:, P:] == eos).any(dim=1)
+    assert ended[0] and reference.shape[1] <= P + A
+    out = StaticGenerator(model, P + 2, A, eos, pad, use_cuda_graph=False).generate(ids, mask)
+    assert torch.equal(_padded(out, pad), _padded(reference, pad))
+    # after its EOS a row holds only pad ids
+    first = (out[0, P:] == eos).nonzero()[0].item()
+    assert (out[0, P + first + 1:] == pad).all()
+
+
+def test_stops_early_when_every_row_ended_and_reuses_its_buffers():
+    model, tok = _model("tiny-opt")
+    pad = tok.pad_token_id
+    ids, mask = _prompts(pad)
+    free = _hf(model, ids, mask, eos=None, pad=pad)
+    eos = int(free[0, P])  # row 0's first answer token is the "EOS": row 0 ends at once
+    gen = StaticGenerator(model, P, A, eos, pad, use_cuda_graph=False, check_every=2)
+    out = gen.generate(ids[:1].expand(4, P), mask[:1].expand(4, P))  # 4 copies of row 0: all end at once
+    assert out.shape[1] == P + 2  # the end is noticed at the first check (every 2 tokens), not after A
+    assert (out[:, P] == eos).all() and (out[:, P + 1] == pad).all()
+    # a smaller batch than the allocated one: padded to it internally, same answers as model.generate
+    reference = _hf(model, ids[:3], mask[:3], eos=eos, pad=pad)
+    assert torch.equal(_padded(gen.generate(ids[:3], mask[:3]), pad), _padded(reference, pad))
+    assert gen.batch_size == 4
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    model, tok = _model("tiny-llama")
+    pad = tok.pad_token_id
+    ids, mask = _prompts(pad)
+    gen = StaticGenerator(model, P, A, -1, pad, use_cuda_graph=False)
+
+    def sample(seed, **kw):
+        return gen.generate(ids, mask, do_sample=True, generator=torch.Generator().manual_seed(seed), **kw)
+
+    assert torch.equal(sample(3, temperature=1.5), sample(3, temperature=1.5))
+    assert not torch.equal(sample(3, temperature=1.5), sample(4, temperature=1.5))
+    assert torch.equal(sample(5, top_k=1), gen.generate(ids, mask))  # top-1 sampling = greedy
+    # top_p: a tiny nucleus keeps only the most likely token, whatever the seed
+    assert torch.equal(sample(6, top_p=1e-6), gen.generate(ids, mask))
+
+
+def test_lora_fuse_restores_the_base_weights_bit_for_bit_in_bf16():
+    model, _ = _model("tiny-opt", lora=True)
+    model.to(torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, LinearLayer_LoRA)]
+    before = [m.weight.detach().clone() for m in layers]
+    pointers = [m.weight.data_ptr() for m in layers]
+    with lora_fused(model):
+        assert all(m.fuse_lora for m in layers)
+        assert any(not torch.equal(m.weight, b) for m, b in zip(layers, before))
+    assert all(torch.equal(m.weight, b) for m, b in zip(layers, before))  # fuse -> unfuse would drift in bf16
+    assert [m.weight.data_ptr() for m in layers] == pointers  # in place: a captured CUDA graph stays valid
+    assert not any(m.fuse_lora for m in layers)
+
+
+def test_choose_backend():
+    model, _ = _model("tiny-opt")
+    assert choose_backend("hf", model) == ("hf", None)
+    backend, why = choose_backend("auto", model)
+    assert backend == "hf" and "no CUDA device" in why  # the CPU default
+    backend, why = choose_backend("cuda-graph", model)
+    assert backend == "static" and "CUDA graphs need a CUDA device" in why
+    assert choose_backend("static", model) == ("static", None)
+    backend, why = choose_backend("static", model, zero_stage=3)
+    assert backend == "hf" and "ZeRO-3" in why
+    model.config.model_type = "gpt2"
+    backend, why = choose_backend("static", model)
+    assert backend == "hf" and "'gpt2'" in why
+    with pytest.raises(ValueError):
+        choose_backend("vllm", model)
+
+
+# --------------------------------------------------------------------------- the hybrid engine decision
+
+def test_hybrid_engine_has_no_policy_for_transformers_5_layers():
+    from step3_rlhf_finetuning.rlhf_engine import hybrid_engine_support
+
+    for name, layer in (("tiny-opt", "OPTDecoderLayer"), ("tiny-llama", "LlamaDecoderLayer")):
+        usable, why = hybrid_engine_support(_model(name)[0])
+        assert not usable and layer in why and "legacy tuple KV cache" in why
+
+
+def test_hybrid_engine_is_used_where_a_legacy_layer_has_a_policy(monkeypatch):
+    import deepspeed.module_inject.replace_policy as rp
+
+    from step3_rlhf_finetuning.rlhf_engine import hybrid_engine_support
+
+    class LegacyLayer(torch.nn.Module):
+        def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False):
+            return hidden_states
+
+    class LegacyPolicy:
+        _orig_layer_class = None
+
+        def __init__(self, client_module):
+            LegacyPolicy._orig_layer_class = LegacyLayer
+
+    monkeypatch.setattr(rp, "replace_policies", [LegacyPolicy])
+    usable, why = hybrid_engine_support(torch.nn.Sequential(LegacyLayer()))
+    assert usable and "LegacyPolicy" in why
+    usable, why = hybrid_engine_support(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not usable and "no inference policy" in why
+
+
+def test_trainer_generates_with_the_module_generate_under_an_active_hybrid_engine():
+    # DeepSpeed's hybrid engine replaces module.generate; the engine object itself has no usable
+    # generate when no policy applied (the GPU crash: "'DeepSpeedHybridEngine' object has no attribute
+    # '_generate'"). The trainer must call the module's, as DeepSpeed-Chat does.
+    from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer
+    from tests.test_ppo_trainer import EOS, PROMPT_MASK, PROMPTS, make_trainer
+
+    _, engine = make_trainer([[3, 4, EOS], [3, 4, 5], [4, 3, EOS]], scores=[1.0, 2.0, 3.0])
+    engine.hybrid_engine_active = True
+    trainer = DeepSpeedPPOTrainer(engine, make_trainer([[3]], [0.0], enable_hybrid_engine=True)[0].args)
+    assert trainer.generation_backend == "hybrid-engine" and trainer.generator is None
+    assert not hasattr(engine.actor, "generate")  # like the engine in the crash
+    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    assert exp["input_ids"][0].tolist()[:6] == [5, 6, 7, 3, 4, EOS]

@@ -1,0 +1,284 @@
+"""Fast answer generation: a pre-allocated static KV cache and a CUDA-graph decode step.
+
+Step 3 spends most of its time generating. ``model.generate`` re-launches every
+kernel of every layer from Python for each new token, so on a GPU a 1.3 B model
+decodes ~30× slower than its weights can be read. :class:`StaticGenerator` keeps
+
+* one :class:`transformers.StaticCache` of ``max_prompt_len + max_new_tokens``
+  positions for the batch, allocated once and reused by every call;
+* the prompt forward ("prefill") eager, with the prompt's 2-D attention mask;
+* the one-token decode forward captured once as a CUDA graph (``backend="cuda-graph"``)
+  and replayed for every token of every later call, or run eagerly (``"static"``,
+  the CPU path).
+
+It reproduces ``model.generate``'s greedy output token for token (same position ids:
+``cumsum(mask) − 1`` with pads at 0; rows that emitted EOS continue with the pad id;
+the same EOS rule), and samples with Hugging Face's temperature / top-k / top-p
+warpers and a caller-seeded ``torch.Generator`` when ``do_sample``. It stops once every
+row has ended (checked every ``check_every`` tokens); the returned sequence may then
+carry up to ``check_every − 1`` extra all-pad columns, which callers pad anyway.
+
+LoRA layers (:class:`utils.module.lora.LinearLayer_LoRA`) are fused into their base
+weights for the call and restored bit-exactly afterwards (a copy of the base weights
+is kept; fuse → unfuse in bf16 would drift). Parameters are updated in place by the
+optimizers, so the captured graph stays valid across PPO steps; if a parameter's
+storage moves anyway, the graph is captured again (and the log says so).
+
+Shapes: prompts ``[B, P]`` left padded, ``P ≤ max_prompt_len``; output ``[B, P + n]``,
+``n ≤ max_new_tokens``. Batches smaller than the captured one are padded with copies of
+their last row (and cut off again); a larger batch rebuilds the cache and graph.
+
+:func:`choose_backend` picks the backend for a model and device and says why it
+falls back.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+BACKENDS = ("auto", "cuda-graph", "static", "hf")
+# architectures whose StaticCache decoding is checked token for token against model.generate (tests)
+SUPPORTED_MODEL_TYPES = ("opt", "llama")
+
+
+def choose_backend(requested: str, model, zero_stage: int = 0) -> tuple[str, str | None]:
+    """``(backend, why_not_faster)`` for ``--generation_backend requested`` on ``model``.
+
+    ``auto`` → ``cuda-graph`` on a CUDA device, else ``hf`` (on a CPU the plain
+    ``generate`` is as fast as the static path, see ``bench/bench_generation.py``).
+    ``cuda-graph`` / ``static`` fall back to ``hf`` (with the reason) for ZeRO-3
+    (partitioned weights are gathered layer by layer during the forward, which a graph
+    cannot capture), an architecture outside :data:`SUPPORTED_MODEL_TYPES`, attention
+    other than SDPA, or ``cuda-graph`` without a CUDA device.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"generation backend {requested!r} is not one of {BACKENDS}")
+    if requested == "hf":
+        return "hf", None
+    device = next(model.parameters()).device
+    wanted = requested if requested != "auto" else ("cuda-graph" if device.type == "cuda" else "hf")
+    if wanted == "hf":
+        return "hf", f"no CUDA device ({device.type}): model.generate is the fastest path there"
+    model_type = getattr(model.config, "model_type", "?")
+    if zero_stage == 3:
+        return "hf", "ZeRO-3 partitions the actor's weights; generating with model.generate (synced across ranks)"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return "hf", (f"model type {model_type!r} is not one of the checked architectures "
+                      f"{', '.join(SUPPORTED_MODEL_TYPES)}; generating with model.generate")
+    attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if attention != "sdpa":
+        return "hf", f"attention implementation {attention!r} is not supported by the static path (needs sdpa)"
+    if wanted == "cuda-graph" and device.type != "cuda":
+        return "static", f"CUDA graphs need a CUDA device (model is on {device.type}); decoding eagerly"
+    return wanted, None
+
+
+@contextlib.contextmanager
+def lora_fused(model):
+    """Fuse every LoRA layer into its base weight for the block; restore the exact base weights after."""
+    from utils.module.lora import LinearLayer_LoRA
+
+    layers = [m for m in model.modules() if isinstance(m, LinearLayer_LoRA) and not m.fuse_lora]
+    backups = [m.weight.detach().clone() for m in layers]
+    with torch.no_grad():
+        for m in layers:
+            m.fuse_lora_weight()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, backup in zip(layers, backups):
+                m.weight.data.copy_(backup)
+                m.fuse_lora = False
+
+
+def _decode_mask(prompt_mask: torch.Tensor, total: int) -> torch.Tensor:
+    """``[B, 1, 1, total]`` SDPA mask (True = attend) for one-token queries: the prompt's real tokens;
+    the answer's columns are opened one per step by the caller."""
+    B, P = prompt_mask.shape
+    keep = torch.zeros(B, 1, 1, total, dtype=torch.bool, device=prompt_mask.device)
+    keep[:, 0, 0, :P] = prompt_mask.bool()
+    return keep
+
+
+class StaticGenerator:
+    """Greedy / sampled decoding on a static KV cache, the decode step as a CUDA graph (module docstring).
+
+    Args:
+        model: a Hugging Face causal LM (OPT, Llama), in eval mode while generating.
+        max_prompt_len: the longest prompt ``P`` (step 3: ``--max_prompt_seq_len``).
+        max_new_tokens: answer tokens ``A`` (step 3: ``--max_answer_seq_len``).
+        eos_token_id, pad_token_id: a row ends at ``eos_token_id``; later tokens are ``pad_token_id``.
+        use_cuda_graph: capture the decode step (CUDA only); else run it eagerly.
+        check_every: tokens between "has every row ended?" checks (each is a host sync).
+        log: callable for the one-off capture message (default: silent).
+    """
+
+    def __init__(self, model, max_prompt_len: int, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
+                 use_cuda_graph: bool = True, check_every: int = 8, log=None):
+        self.model = model
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
+        self.total = max_prompt_len + max_new_tokens
+        self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.use_cuda_graph = use_cuda_graph
+        self.check_every = max(1, check_every)
+        self.log = log or (lambda msg: None)
+        self.batch_size = 0
+        self.cache = None
+        self.graph = None
+        self.capture_seconds = 0.0  # one-off cost of the last capture
+        self.last_prefill_seconds = 0.0
+        self.captures = 0
+        self._param_ptrs = None
+
+    # ------------------------------------------------------------------ buffers and graph
+
+    def _allocate(self, batch_size: int, device) -> None:
+        from transformers import StaticCache
+
+        self.batch_size = batch_size
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self.total)
+        self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(batch_size, 1, 1, self.total, dtype=torch.bool, device=device)
+        self.graph, self.graph_logits, self._param_ptrs = None, None, None
+
+    def _reset_cache(self) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.zero_()
+
+    def _cache_lengths(self) -> list:
+        return [layer.cumulative_length.clone() for layer in self.cache.layers]
+
+    def _set_cache_lengths(self, lengths: list) -> None:
+        for layer, value in zip(self.cache.layers, lengths):
+            layer.cumulative_length.copy_(value)
+
+    def _decode_forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.pos,
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1, :]
+
+    def _params_moved(self) -> bool:
+        ptrs = [p.data_ptr() for p in self.model.parameters()]
+        moved = self._param_ptrs is not None and ptrs != self._param_ptrs
+        self._param_ptrs = ptrs
+        return moved
+
+    def _capture(self) -> None:
+        """Record the decode step as a CUDA graph (after the prefill filled the cache)."""
+        start = time.time()
+        lengths = self._cache_lengths()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: cuBLAS handles, lazy buffers
+                self._decode_forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self._set_cache_lengths(lengths)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.graph_logits = self._decode_forward()
+        self._set_cache_lengths(lengths)  # capture records without running; keep the prefill's length
+        torch.cuda.synchronize()
+        self.graph = graph
+        self.captures += 1
+        self.capture_seconds = time.time() - start
+        self.log(f"generation: captured the decode step as a CUDA graph in {self.capture_seconds:.2f}s "
+                 f"(batch {self.batch_size}, cache {self.total} tokens; paid once per run)")
+
+    def _decode_logits(self) -> torch.Tensor:
+        if not self.use_cuda_graph:
+            return self._decode_forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.graph_logits
+
+    # ------------------------------------------------------------------ sampling
+
+    @staticmethod
+    def _warpers(temperature, top_k, top_p):
+        from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                            TopKLogitsWarper, TopPLogitsWarper)
+
+        warpers = LogitsProcessorList()
+        if temperature is not None and temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+        return warpers
+
+    # ------------------------------------------------------------------ generate
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, do_sample: bool = False,
+                 temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """``[B, P + n]``: the prompts followed by the answers (module docstring)."""
+        B, P = input_ids.shape
+        if P > self.max_prompt_len:
+            raise ValueError(f"prompt length {P} exceeds the generator's max_prompt_len {self.max_prompt_len}")
+        rows = B
+        if B < self.batch_size:  # pad the batch to the captured size with copies of its last row
+            extra = self.batch_size - B
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, P)])
+            attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(extra, P)])
+            B = self.batch_size
+        if self.cache is None or B != self.batch_size:
+            self._allocate(B, input_ids.device)
+        with lora_fused(self.model):
+            if self.use_cuda_graph and self._params_moved() and self.graph is not None:
+                self.log("generation: the actor's parameters moved in memory; capturing the decode graph again")
+                self.graph = None
+            seq = self._generate(input_ids, attention_mask.long(), do_sample, temperature, top_k, top_p, generator)
+        return seq[:rows]
+
+    def _generate(self, input_ids, mask, do_sample, temperature, top_k, top_p, generator):
+        B, P = input_ids.shape
+        A = self.max_new_tokens
+        warpers = self._warpers(temperature, top_k, top_p) if do_sample else None
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            logits = logits.float()
+            if not do_sample:
+                return logits.argmax(dim=-1)
+            probs = torch.softmax(warpers(None, logits), dim=-1)
+            return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+        # prefill: the prompt (positions as model.generate: cumsum(mask) − 1, pads at 0)
+        start = time.time()
+        self._reset_cache()
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        answers = torch.full((B, A), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+        unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+        token = pick(out.logits[:, -1, :])
+        del out
+        if token.is_cuda:
+            torch.cuda.synchronize()
+        self.last_prefill_seconds = time.time() - start
+        self.mask.copy_(_decode_mask(mask, self.total))
+        self.pos.copy_(positions[:, -1:])
+        steps = A
+        for t in range(A):
+            token = torch.where(unfinished, token, self.pad_token_id)
+            answers[:, t] = token
+            unfinished &= token != self.eos_token_id
+            if t == A - 1:
+                break
+            if (t + 1) % self.check_every == 0 and not bool(unfinished.any()):
+                steps = t + 1
+                break
+            # feed the token at cache slot P + t
+            self.tok.copy_(token[:, None])
+            self.pos.add_(1)
+            self.mask[:, 0, 0, P + t] = True
+            token = pick(self._decode_logits())
+        return torch.cat([input_ids, answers[:, :steps]], dim=1)
