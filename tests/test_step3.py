@@ -59,7 +59,7 @@ def test_ppo_with_ema_and_unsupervised_mixing(step12, tmp_path):
     assert "skipped" in log and "prompt longer than 12 tokens" in log
     assert "hybrid engine cannot run on CPU" in log  # a warning, not a crash
     assert "unsupervised data:" in log and "--- ans    --> step=1" in log
-    assert "average reward: first step" in log
+    assert "average reward: mean of the first 1 steps" in log
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
