@@ -25,7 +25,7 @@ The entry points use :class:`CheckpointManager` through three calls::
 
 Resume is automatic: rerunning the same command picks up the newest valid checkpoint
 in ``--output_dir``; ``--resume`` makes "no checkpoint" an error. Every flag that changes
-the result (all but :data:`RUN_ONLY_FLAGS`: output paths, logging, checkpoint cadence) must
+the result (all but :data:`RUN_ONLY_FLAGS`: output paths, logging, checkpoint cadence, run length) must
 be the same in the interrupted and the resumed run, and so must the world size; a
 difference is a :class:`UserInputError` naming the flag. If every checkpoint is corrupt, a run without ``--resume``
 starts from scratch (after the messages).
@@ -70,12 +70,14 @@ STATE = "trainer_state.pt"
 KILL_AT_STEP_ENV = "DSCHAT_TEST_KILL_AT_STEP"
 INTERRUPT_AT_STEP_ENV = "DSCHAT_TEST_INTERRUPT_AT_STEP"
 _NAME = re.compile(r"^step-(\d{8})$")
-# Flags that do not change what a run computes: they may differ between an interrupted run and its resume.
+# Flags that may differ between an interrupted run and its resume: those that do not change what a run
+# computes (paths, logging, evaluation, checkpoint cadence), and the run length, so that a run can be
+# resumed to train longer (docs/checkpointing.md). Every other flag must be the same.
 RUN_ONLY_FLAGS = frozenset((
     "local_rank", "global_rank", "output_dir", "data_output_path", "save_interval", "max_checkpoints", "resume",
     "overwrite", "print_loss", "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
     "eval_interval", "eval_iters", "per_device_eval_batch_size", "preprocessing_num_workers", "deepspeed",
-    "deepspeed_config", "deepscale", "deepscale_config"))
+    "deepspeed_config", "deepscale", "deepscale_config", "num_train_epochs", "max_steps"))
 
 
 # --------------------------------------------------------------------------- RNG
