@@ -47,6 +47,22 @@ def test_a_finished_run_is_refused_and_overwrite_deletes_it_first(tmp_path):
     assert "deleted the earlier run's checkpoints, config.json, metrics.jsonl, model.safetensors" in messages[0]
 
 
+def test_a_finished_run_rerun_with_changed_flags_names_them(tmp_path):
+    import torch
+
+    from utils.checkpoint import STATE
+    from utils.preflight import prepare_output_dir
+
+    out = finished_folder(tmp_path / "out")
+    torch.save({"step": 1, "config": {"learning_rate": 1e-3, "seed": 1234, "dtype": "fp32", "save_interval": 1}},
+               out / "checkpoints" / "step-00000001" / STATE)
+    args = SimpleNamespace(output_dir=str(out), overwrite=False, resume=False, learning_rate=2e-3, seed=1234,
+                           dtype=None, save_interval=5)  # dtype not resolved yet, save_interval changes nothing
+    with pytest.raises(UserInputError, match=r"already holds a finished run \(its model is in .*; changed since: "
+                                             r"--learning_rate 0.001 -> 0.002\); rerun with --overwrite"):
+        prepare_output_dir(args)
+
+
 def test_step3_layout_counts_as_finished_and_unfinished_runs_are_left_to_resume(tmp_path):
     from utils.preflight import prepare_output_dir
 

@@ -180,6 +180,26 @@ def finished_model(out_dir: str) -> Optional[str]:
     return None
 
 
+def changed_flags(args, out_dir: str) -> list:
+    """``--flag old -> new`` for the result flags that differ from the newest checkpoint in ``out_dir``
+    (none when there is no readable checkpoint; flags not resolved yet, such as a default dtype, are skipped)."""
+    import glob
+
+    from utils.checkpoint import RUN_ONLY_FLAGS, STATE
+
+    states = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step-*", STATE)))
+    if not states:
+        return []
+    try:
+        import torch
+
+        saved = torch.load(states[-1], weights_only=True).get("config", {})
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only loses this detail of the message
+        return []
+    return [f"--{key} {saved[key]!r} -> {value!r}" for key, value in sorted(vars(args).items())
+            if key in saved and key not in RUN_ONLY_FLAGS and value is not None and saved[key] != value]
+
+
 def prepare_output_dir(args, log=print) -> None:
     """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step.
 
@@ -198,18 +218,22 @@ def prepare_output_dir(args, log=print) -> None:
         return
     model = finished_model(out)
     if model is not None and not overwrite:
-        raise UserInputError(f"--output_dir {out} already holds a finished run (its model is in {model}); rerun "
-                             "with --overwrite to replace it (the old model, checkpoints and metrics.jsonl are "
-                             "deleted first), or give another --output_dir")
-    local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", -1), 0)))
-    if overwrite and local_rank == 0:
+        changed = changed_flags(args, out)
+        raise UserInputError(f"--output_dir {out} already holds a finished run (its model is in {model}"
+                             f"{'; changed since: ' + ', '.join(changed) if changed else ''}); rerun with "
+                             "--overwrite to replace it (the old model, checkpoints and metrics.jsonl are deleted "
+                             "first), or give another --output_dir")
+    if overwrite and int(os.environ.get("RANK", "0")) == 0:  # one deleter, also when nodes share the folder
         old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
         for name in old:
             path = os.path.join(out, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError as e:
+                raise UserInputError(f"--overwrite: cannot delete {path} ({e.strerror or e})") from None
         if old:
             log(f"--overwrite: deleted the earlier run's {', '.join(old)} from {out}")
 
