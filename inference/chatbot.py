@@ -147,8 +147,12 @@ def main(args) -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     transformers.set_seed(args.seed)
-    bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
-    chat(bot)
+    try:
+        bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
+        chat(bot)
+    except KeyboardInterrupt:  # Ctrl-C leaves the chat: no traceback (and no training-run message)
+        print("\n[interrupted]", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
