@@ -41,6 +41,13 @@ def test_a_finished_run_is_refused_and_overwrite_deletes_it_first(tmp_path):
         prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=False, resume=False))
     assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == b"old model"
 
+    (out / "notes.txt").write_text("mine")  # e.g. --output_dir . by mistake: nothing a run wrote
+    with pytest.raises(UserInputError, match=r"--overwrite: .*out also holds notes.txt, which no training run "
+                                             r"writes; nothing was deleted"):
+        prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False))
+    assert sorted(os.listdir(out)) == sorted(before + ["notes.txt"])
+    os.remove(out / "notes.txt")
+
     messages = []
     prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False), log=messages.append)
     assert os.listdir(out) == ["training.log"]
@@ -183,9 +190,9 @@ def test_train_py_gives_memory_advice_only_when_it_looks_like_memory(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_step_then_the_rerun_resumes_and_the_finished_run_is_kept(tmp_path):
+def test_ctrl_c_then_resume_then_refused_as_finished_then_overwrite(tmp_path):
     """A real Ctrl-C (SIGINT after step 3, checkpoints every 2 steps) under train.py, the suggested rerun,
-    then the same command once more (refused: finished)."""
+    then the same command once more (refused: finished), then with --overwrite (trained afresh)."""
     out = tmp_path / "out"
     step1 = ("--data_path builtin/preference-small --max_seq_len 64 --per_device_train_batch_size 8 --max_steps 4 "
              "--save_interval 2")
@@ -212,3 +219,10 @@ def test_ctrl_c_in_a_step_then_the_rerun_resumes_and_the_finished_run_is_kept(tm
     res = run_entry(*cmd, env=env, timeout=120)
     assert res.returncode == 2 and "already holds a finished model" in res.stderr and "--overwrite" in res.stderr
     assert "Running Step" not in res.stdout and (folder / "model.safetensors").read_bytes() == model
+
+    res = run_entry(*cmd, "--overwrite", env=env, timeout=300)  # trains afresh: no resume, a new metrics file
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "--overwrite: deleted the earlier run's checkpoints, config.json" in res.stdout
+    assert "resumed from" not in res.stdout and "ppl before training" in res.stdout
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2, 3, 4]

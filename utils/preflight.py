@@ -170,6 +170,12 @@ def check_phase_share(data_split: str, phase: int, has_sft_only_data: bool = Fal
 
 
 RUN_LOG = "training.log"  # train.py's copy of a step's console output: written before the step starts
+# What a run writes into its --output_dir (a Hugging Face model folder, step 3's sub-folders, checkpoints,
+# metrics, tensorboard logs of the per-size scripts): --overwrite deletes these and nothing else.
+RUN_ENTRIES = ("config.json", "generation_config.json", "reward_model.json", "*.safetensors", "*.bin",
+               "*.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+               "merges.txt", "chat_template.*", "*.model", "metrics.jsonl*", "checkpoints", "actor", "critic",
+               "actor_ema", "ds_tensorboard_logs", "events.out.tfevents.*")
 
 
 def finished_model(out_dir: str) -> Optional[str]:
@@ -205,12 +211,14 @@ def prepare_output_dir(args, log=print) -> None:
 
     * a folder holding a finished run (a saved model) is refused, unless ``--overwrite``;
     * ``--overwrite`` deletes what an earlier run left there (model, checkpoints,
-      metrics.jsonl; everything but train.py's ``training.log``) so the new run starts afresh;
+      metrics.jsonl: :data:`RUN_ENTRIES`; not train.py's ``training.log``) so the new run starts
+      afresh; a folder that also holds anything else is refused, and nothing is deleted;
     * otherwise checkpoints of an unfinished run are resumed from (:mod:`utils.checkpoint`), and
       ``metrics.jsonl`` keeps only the rows up to the resumed step (:meth:`TrainLogger.restart_metrics`).
 
     Call last among the checks: nothing is deleted when another check fails.
     """
+    import fnmatch
     import shutil
 
     out, overwrite = getattr(args, "output_dir", None), getattr(args, "overwrite", False)
@@ -223,8 +231,15 @@ def prepare_output_dir(args, log=print) -> None:
                              f"{'; changed since: ' + ', '.join(changed) if changed else ''}); rerun with "
                              "--overwrite to replace it (the old model, checkpoints and metrics.jsonl are deleted "
                              "first), or give another --output_dir")
-    if overwrite and int(os.environ.get("RANK", "0")) == 0:  # one deleter, also when nodes share the folder
-        old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
+    if not overwrite:
+        return
+    old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
+    foreign = [name for name in old if not any(fnmatch.fnmatch(name, pattern) for pattern in RUN_ENTRIES)]
+    if foreign:  # e.g. --output_dir . by mistake: never delete what no run wrote
+        raise UserInputError(f"--overwrite: {out} also holds {', '.join(foreign[:5])}"
+                             f"{' …' if len(foreign) > 5 else ''}, which no training run writes; nothing was "
+                             "deleted: move those away or give another --output_dir")
+    if int(os.environ.get("RANK", "0")) == 0:  # one deleter, also when nodes share the folder
         for name in old:
             path = os.path.join(out, name)
             try:
