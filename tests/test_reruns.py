@@ -226,3 +226,35 @@ def test_ctrl_c_then_resume_then_refused_as_finished_then_overwrite(tmp_path):
     assert "resumed from" not in res.stdout and "ppl before training" in res.stdout
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_reaches_train_py_and_its_step(tmp_path):
+    """SIGINT to the whole foreground process group (what Ctrl-C does): one line from the step, one from
+    train.py, exit 130, no KeyboardInterrupt trace from either process."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "out"
+    step1 = "--data_path builtin/preference-small --max_seq_len 64 --per_device_train_batch_size 8 " \
+            "--num_train_epochs 1000"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--step", "1", "--output-dir", str(out),
+                             "--step1-args", step1], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = out / "actor-models" / "tiny-opt" / "training.log"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (log.is_file() and "Beginning of Epoch 2/" in log.read_text()):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    text = stdout + stderr
+    assert proc.returncode == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "interrupted at step " in stdout and "no checkpoint was saved" in stdout  # the step's line (via its log)
+    assert "interrupted in step 1 (supervised fine-tuning (actor))" in stderr and "--step 1" in stderr
