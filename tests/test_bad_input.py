@@ -4,9 +4,11 @@ clear ``error:`` line naming the culprit, exit code 2, no traceback and no parti
 Two tables:
 
 * ``CLI_CASES`` run the real entry points in subprocesses (started together, a few at
-  a time). All but the disk-full case fail in the pre-flight checks
-  (:mod:`utils.preflight`, argument validation), before DeepSpeed or any model is set
-  up, so the output folder must not exist afterwards.
+  a time). All but two fail in the pre-flight checks (:mod:`utils.preflight`, argument
+  validation), before DeepSpeed or any model is set up: the disk-full case trains first,
+  and an empty eval split is found when the data are split (after model set-up, before
+  training). Either way the output folder must not exist afterwards (or, for a finished
+  run's folder, be unchanged).
 * ``test_*`` functions below check the layers directly (UserInputError and its message).
 
 Kinds covered elsewhere and not repeated here: malformed JSON / missing column / unknown
@@ -16,7 +18,9 @@ non-existent / config-only model folders (tests/test_model_utils.py); a step-1 f
 loaded as a reward model (tests/test_reward_model.py); step 3's flag combinations at the
 function level (tests/test_ppo_trainer.py); ZeRO/offload/dtype combinations
 (tests/test_zero_matrix.py); a checkpoint from another configuration, a failing
-checkpoint write (tests/test_checkpoint.py).
+checkpoint write (tests/test_checkpoint.py); reruns into finished / unfinished output
+folders, resuming with changed flags, ``metrics.jsonl`` across reruns and Ctrl-C
+(tests/test_reruns.py).
 """
 import errno
 import json
