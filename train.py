@@ -413,9 +413,10 @@ def failure_message(launch: Launch, rc: int) -> str:
 def interrupted_message(args, launch: Launch) -> str:
     n = launch.step.number
     rest = " ".join(str(m) for m in args.step if m >= n)
-    return (f"interrupted in step {n} ({launch.step.title}); the steps before it are finished. To continue, "
-            f"rerun the same command with --step {rest} (step {n} resumes from its newest checkpoint, if it "
-            "saved one)")
+    done = [str(m) for m in args.step if m < n]
+    finished = f"step {', '.join(done)} finished; " if done else ""
+    return (f"interrupted in step {n} ({launch.step.title}); {finished}to continue, rerun the same command "
+            f"with --step {rest} (step {n} resumes from its newest checkpoint, if it saved one)")
 
 
 def run_step(args, launch: Launch, env: dict) -> float:

@@ -176,6 +176,14 @@ def test_train_py_refuses_finished_steps_unless_overwrite(tmp_path):
     assert all("--overwrite" in launch.cmd for launch in plan)  # each step deletes its own old result
 
 
+def test_train_py_interrupted_message_names_the_finished_steps_and_what_to_rerun(tmp_path):
+    args = train.parse_args(["--output-dir", str(tmp_path)])
+    step2 = train.make_plan(args, 0)[1]
+    assert train.interrupted_message(args, step2) == (
+        "interrupted in step 2 (reward model); step 1 finished; to continue, rerun the same command with --step 2 3 "
+        "(step 2 resumes from its newest checkpoint, if it saved one)")
+
+
 def test_train_py_gives_memory_advice_only_when_it_looks_like_memory(tmp_path):
     launch = train.make_plan(train.parse_args(["--step", "1", "--output-dir", str(tmp_path)]), 0)[0]
     os.makedirs(launch.out_dir)
@@ -205,8 +213,8 @@ def test_ctrl_c_then_resume_then_refused_as_finished_then_overwrite(tmp_path):
     folder = out / "actor-models" / "tiny-opt"
     assert (f"interrupted at step 3; rerun the same command to resume from step 2 (checkpoint in "
             f"{folder / 'checkpoints'})") in text
-    assert "interrupted in step 1 (supervised fine-tuning (actor)); the steps before it are finished. To continue, " \
-           "rerun the same command with --step 1" in res.stderr
+    assert "interrupted in step 1 (supervised fine-tuning (actor)); to continue, rerun the same command with " \
+           "--step 1 (step 1 resumes from its newest checkpoint" in res.stderr
     assert "--offload" not in res.stderr
 
     res = run_entry(*cmd, env=env, timeout=300)
