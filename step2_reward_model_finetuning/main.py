@@ -21,9 +21,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
-                             add_lora_args, add_model_args, add_training_args, validate_common)
-from utils.arguments import HelpFormatter  # noqa: E402
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
+                             add_logging_args, add_lora_args, add_model_args, add_training_args, validate_common)
 from utils.utils import run_main  # noqa: E402
 
 

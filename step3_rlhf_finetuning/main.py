@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (SCHEDULERS, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
-                             add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg, validate_common)
-from utils.arguments import HelpFormatter  # noqa: E402
+from utils.arguments import (SCHEDULERS, HelpFormatter, add_checkpoint_args, add_data_args,  # noqa: E402
+                             add_deepspeed_args, add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg,
+                             validate_common)
 from utils.errors import UserInputError  # noqa: E402
 from utils.utils import run_main  # noqa: E402
 
