@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows every flag's default; descriptions and epilogs keep their line breaks."""
 
