@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, REPO)
 
+from utils.arguments import HelpFormatter  # noqa: E402  (pure: no torch import)
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS  # noqa: E402  (pure: no torch import)
 
 
@@ -119,11 +121,12 @@ def padding_at_beginning(model: Model) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Run DeepSpeed-Chat's three RLHF steps (SFT -> reward model -> PPO) one after another.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog="examples:\n  python train.py --demo\n"
                "  python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m "
                "--deployment-type single_gpu\n"
-               "  python train.py --step 1 2 --step1-args \"--max_steps 3\" --step2-args \"--max_steps 3\"")
+               "  python train.py --demo --step 1 2 --step1-args \"--max_steps 3\" --step2-args \"--max_steps 3\"\n"
+               "without --demo the steps read Dahoas/rm-static from the Hugging Face hub (network needed)")
     p.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
                    help="Which steps to run (any subset, run in order).")
     p.add_argument("--actor-model", default="tiny-opt",
@@ -149,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Extra flags for step {n}'s main.py, one quoted string (they win over train.py's).")
     p.add_argument("--demo", action="store_true",
                    help="Demo hyper-parameters (built-in data, CPU-friendly sizes); ends with a chatbot answer.")
+    p.add_argument("--overwrite", action="store_true",
+                   help="Retrain steps whose output folder already holds a finished model (each step deletes its "
+                        "old model, checkpoints and metrics.jsonl first); without it such a step is refused.")
     p.add_argument("--dry-run", action="store_true", help="Print the commands without running them.")
     return p
 
@@ -242,7 +248,7 @@ def step_flags(args, n: int) -> list:
 
 def extra_flags(args, n: int) -> list:
     demo = shlex.split(DEMO_ARGS[n]) if args.demo else []
-    return demo + shlex.split(getattr(args, f"step{n}_args"))
+    return demo + (["--overwrite"] if args.overwrite else []) + shlex.split(getattr(args, f"step{n}_args"))
 
 
 def size_script(args, n: int, gpus: int) -> str | None:
@@ -286,8 +292,22 @@ def has_model(folder: str) -> bool:
     return any(name.endswith((".safetensors", ".bin")) or name.endswith(".index.json") for name in os.listdir(folder))
 
 
+def finished_steps(args, plan: list) -> list:
+    """The planned steps whose output folder already holds a finished model (step 3: in ``actor/``)."""
+    return [launch.step.number for launch in plan
+            if has_model(launch.out_dir) or has_model(os.path.join(launch.out_dir, "actor"))]
+
+
 def check_inputs(args, plan: list) -> None:
-    """Refuse before launching anything when a step's input model is missing and no earlier step makes it."""
+    """Refuse before launching anything when a step's input model is missing and no earlier step makes it,
+    or when a step would overwrite a finished model without ``--overwrite``."""
+    done = [] if args.overwrite else finished_steps(args, plan)
+    if done:
+        todo = [launch.step.number for launch in plan if launch.step.number not in done]
+        lines = [f"step {n}'s output folder {step_output_dir(args, n)} already holds a finished model" for n in done]
+        rest = f", or run only the other steps (--step {' '.join(map(str, todo))})" if todo else ""
+        raise PlanError("\n".join(lines) + "\n  pass --overwrite to train it again (its old model, checkpoints "
+                        f"and metrics.jsonl are deleted first){rest}, or use another --output-dir")
     will_make = set()
     for launch in plan:
         missing = [(n, folder) for n, folder in launch.needs if n not in will_make and not has_model(folder)]
@@ -314,18 +334,31 @@ def run_logged(cmd: list, log_path: str | None, env: dict) -> int:
     with open(log_path or os.devnull, "wb") as log:
         log.write(("$ " + shlex.join(cmd) + "\n").encode())
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        fd, interrupted = proc.stdout.fileno(), False
+        while True:
+            try:
+                while chunk := os.read(fd, 65536):  # raw chunks, so tqdm's \r updates show up live
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.buffer.flush()
+                    log.write(chunk)
+                    log.flush()
+                break
+            except KeyboardInterrupt:
+                # Ctrl-C in a terminal reaches the step too: give it a moment to stop by itself (and say
+                # where it stopped), then pass the interrupt on; a second Ctrl-C ends it at once
+                if interrupted:
+                    proc.kill()
+                    break
+                interrupted = True
+                try:
+                    proc.wait(timeout=3)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGINT)
         try:
-            fd = proc.stdout.fileno()
-            while chunk := os.read(fd, 65536):  # raw chunks, so tqdm's \r updates show up live
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
-                log.write(chunk)
-                log.flush()
-        except KeyboardInterrupt:
+            return proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.terminate()
-            proc.wait()
-            raise
-        return proc.wait()
+            return proc.wait()
 
 
 def child_env(cpu_threads: str | None = None) -> dict:
@@ -347,25 +380,60 @@ def fmt_time(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
 
+INTERRUPTED = 130  # the exit status of a step stopped by Ctrl-C (utils.utils.run_main)
+OOM_SIGNS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cannot allocate memory")
+
+
+def looks_out_of_memory(launch: Launch, rc: int) -> bool:
+    """Killed by the kernel (SIGKILL: the OOM killer) or an out-of-memory message at the end of the log."""
+    if rc in (-9, 137):
+        return True
+    try:
+        with open(launch.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(launch.log_path) - 20000))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(sign in tail for sign in OOM_SIGNS)
+
+
 def failure_message(launch: Launch, rc: int) -> str:
-    return "\n".join((
-        f"error: step {launch.step.number} ({launch.step.title}) failed with exit status {rc}",
-        f"  log: {launch.log_path}",
-        f"  command: {shlex.join(launch.cmd)}",
-        "  if it ran out of memory, try:", *REMEDIES))
+    """What failed and where its log is; memory advice only when it looks like memory, not after bad input."""
+    lines = [f"error: step {launch.step.number} ({launch.step.title}) failed with exit status {rc}",
+             f"  log: {launch.log_path}", f"  command: {shlex.join(launch.cmd)}"]
+    if rc == 2:
+        lines.append("  the step refused its input: see its error line above")
+    elif rc == 3:
+        lines.append("  training diverged (a non-finite loss or reward): see its error line above")
+    elif looks_out_of_memory(launch, rc):
+        lines += ["  it ran out of memory; try:", *REMEDIES]
+    return "\n".join(lines)
 
 
-def run_step(launch: Launch, env: dict) -> float:
-    """Launch one step; returns its wall time. Exits (status ≠ 0) when it fails or saves no model."""
+def interrupted_message(args, launch: Launch) -> str:
+    n = launch.step.number
+    rest = " ".join(str(m) for m in args.step if m >= n)
+    done = [str(m) for m in args.step if m < n]
+    finished = f"step {', '.join(done)} finished; " if done else ""
+    return (f"interrupted in step {n} ({launch.step.title}); {finished}to continue, rerun the same command "
+            f"with --step {rest} (step {n} resumes from its newest checkpoint, if it saved one)")
+
+
+def run_step(args, launch: Launch, env: dict) -> float:
+    """Launch one step; returns its wall time. Exits (status ≠ 0) when it fails or saves no model.
+
+    ``metrics.jsonl`` is the step's business (a fresh run starts it afresh, a resumed run keeps the
+    rows up to the resumed step), the same rule as running the step by hand.
+    """
     os.makedirs(launch.out_dir, exist_ok=True)
-    metrics = os.path.join(launch.out_dir, "metrics.jsonl")
-    if os.path.exists(metrics):  # TrainLogger appends: start this step's curves afresh
-        os.remove(metrics)
     print(f"---=== Running Step {launch.step.number}: {launch.step.title} ({launch.note}) ===---", flush=True)
     print(f"$ {shlex.join(launch.cmd)}", flush=True)
     start = time.time()
     rc = run_logged(launch.cmd, launch.log_path if launch.tee else None, env)
     elapsed = time.time() - start
+    if rc in (INTERRUPTED, -signal.SIGINT):
+        print(interrupted_message(args, launch), file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
     if rc != 0:
         print(failure_message(launch, rc), file=sys.stderr, flush=True)
         sys.exit(rc if 0 < rc < 256 else 1)
@@ -412,7 +480,7 @@ def main(args) -> int:
     env = child_env(DEMO_CPU_THREADS if args.demo and gpus == 0 else None)
     times, start = {}, time.time()
     for launch in plan:
-        times[launch.step.number] = run_step(launch, env)
+        times[launch.step.number] = run_step(args, launch, env)
     total = time.time() - start
     print(f"---=== Finished Steps {args.step} in {fmt_time(total)} ===---", flush=True)
     folders = {n: step_output_dir(args, n) for n in STEPS}
@@ -426,4 +494,9 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    try:
+        sys.exit(main(parse_args()))
+    except KeyboardInterrupt:  # between steps (a running step is handled in run_logged)
+        print("\ninterrupted between steps; the steps reported as finished are complete (rerun the others "
+              "with --step)", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)

@@ -51,7 +51,8 @@ def bench(model: str, steps: int, work: str, threads: int) -> dict:
            "--data_path", "builtin/preference", "--data_output_path", os.path.join(work, "data"),
            "--max_prompt_seq_len", "32", "--max_answer_seq_len", "32", "--per_device_generation_batch_size", "8",
            "--per_device_training_batch_size", "8", "--max_steps", str(steps), "--num_warmup_steps", "0",
-           "--enable_ema", "--save_interval", "1", "--max_checkpoints", "2", "--output_dir", out]
+           "--enable_ema", "--save_interval", "1", "--max_checkpoints", "2", "--output_dir", out,
+           "--overwrite"]  # a reused --work folder holds the previous measurement
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("DSCHAT_HOME", os.path.join(REPO, ".cache", "dschat"))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

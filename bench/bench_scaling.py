@@ -155,7 +155,7 @@ def main(argv=None):
                 name = f"{step}_r{ranks}_z{stage}_bench"
                 run_args = (step_args(step, args.model, args.micro_batch, args.seq, args.steps, inputs)
                             + stage_args(step, stage) + ["--data_output_path", os.path.join(work, "data"),
-                                                         "--output_dir", os.path.join(work, name)])
+                                                         "--output_dir", os.path.join(work, name), "--overwrite"])
                 result = run(step, run_args, ranks, work, args.threads)
                 sps, rss, error = fmt(result)
                 if ranks == 1:

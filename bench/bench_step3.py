@@ -52,7 +52,7 @@ def run_model(model: str, args, work: str) -> dict:
     cmd = [sys.executable, os.path.join(REPO, "step3_rlhf_finetuning/main.py"),
            "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
            "--data_path", "builtin/preference", "--data_output_path", os.path.join(work, "data"),
-           "--output_dir", out, "--max_steps", str(args.steps + 1), "--num_warmup_steps", "0",
+           "--output_dir", out, "--overwrite", "--max_steps", str(args.steps + 1), "--num_warmup_steps", "0",
            "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
            "--dtype", "fp32", "--actor_learning_rate", "1e-5", "--critic_learning_rate", "1e-5"]

@@ -23,7 +23,10 @@ TURN = " Human: {text} Assistant:"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).")
+    from utils.arguments import HelpFormatter
+
+    p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).",
+                                formatter_class=HelpFormatter)
     p.add_argument("--path", required=True,
                    help="Actor folder: step 1's output, step 3's output (its actor/ is used) or any causal-LM folder.")
     p.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens per answer.")
@@ -123,14 +126,33 @@ def chat(bot: Chatbot, stream=None, interactive: bool | None = None) -> None:
             print(f"Assistant: {bot.reply(text)}", flush=True)
 
 
+def validate(args) -> None:
+    """Bad flags and model folders as one clear error, before the model is loaded."""
+    import math
+
+    from utils.errors import UserInputError
+    from utils.preflight import check_causal_lm_path
+
+    if args.max_new_tokens < 1:
+        raise UserInputError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+    if args.do_sample and not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1):
+        raise UserInputError("sampling needs --temperature > 0 and 0 < --top_p ≤ 1")
+    check_causal_lm_path("--path", actor_folder(args.path))
+
+
 def main(args) -> None:
+    validate(args)
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     transformers.set_seed(args.seed)
-    bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
-    chat(bot)
+    try:
+        bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
+        chat(bot)
+    except KeyboardInterrupt:  # Ctrl-C leaves the chat: no traceback (and no training-run message)
+        print("\n[interrupted]", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

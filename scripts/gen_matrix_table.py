@@ -140,7 +140,8 @@ def prepare_inputs(work: str) -> dict:
 def run_cell(combo: Combination, work: str, inputs: dict, timeout: int) -> dict:
     args = [a.format(**inputs) for a in STEP_ARGS[combo.step]] + QUICK + combination_args(combo)
     out_dir = os.path.join(work, "out", combo.key.replace("|", "_"))
-    args += ["--data_output_path", os.path.join(work, f"data_{combo.step}"), "--output_dir", out_dir]
+    args += ["--data_output_path", os.path.join(work, f"data_{combo.step}"), "--output_dir", out_dir,
+             "--overwrite"]  # a reused --work folder holds the previous verification's models
     start = time.time()
     proc = launch(STEPS[combo.step], args, ranks=2, timeout=timeout)
     outcome, detail = classify(proc)

@@ -27,13 +27,14 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,  # noqa: E402
-                             add_lora_args, add_model_args, add_training_args, validate_common)
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
+                             add_logging_args, add_lora_args, add_model_args, add_training_args, validate_common)
 from utils.utils import run_main  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Step 2 (DPO): direct preference optimisation of a causal LM.")
+    parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, description="Step 2 (DPO): direct preference optimisation of a causal LM.")
     add_data_args(parser)
     add_model_args(parser)
     add_training_args(parser)
@@ -149,7 +150,7 @@ def main(args):
     from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
     from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
                                    only_optimize_lora_parameters)
-    from utils.perf import throughput_line
+    from utils.perf import throughput_due, throughput_line
     from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: distributed, precision, DeepSpeed configs (policy: train; reference: eval)
@@ -219,9 +220,7 @@ def main(args):
     # ---- train
     log.info(f"***** Running DPO training: {len(train_dataset)} pairs, {total_steps} optimizer steps, "
              f"beta {args.beta} *****")
-    ckpt = CheckpointManager.from_args(args, log, config_keys=(
-        "model_name_or_path", "data_path", "data_split", "sft_only_data_path", "seed", "max_seq_len",
-        "per_device_train_batch_size", "gradient_accumulation_steps", "zero_stage", "lora_dim", "dtype", "beta"))
+    ckpt = CheckpointManager.from_args(args, log)
     resumed = ckpt.resume({"model": model})  # the reference model is frozen: nothing to save
     if resumed:
         step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
@@ -250,7 +249,7 @@ def main(args):
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
             log.scalars(step, "train", lr=lr_scheduler.get_last_lr()[0], **stats)
-            if step % 10 == 0 or step == total_steps:
+            if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],
                                          get_world_size(), args.gradient_checkpointing))

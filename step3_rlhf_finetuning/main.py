@@ -28,16 +28,18 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
-from utils.arguments import (SCHEDULERS, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
-                             add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg, validate_common)
+from utils.arguments import (SCHEDULERS, HelpFormatter, add_checkpoint_args, add_data_args,  # noqa: E402
+                             add_deepspeed_args, add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg,
+                             validate_common)
 from utils.errors import UserInputError  # noqa: E402
 from utils.generation import BACKENDS  # noqa: E402
 from utils.utils import run_main  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Step 3: RLHF fine-tuning (PPO) of the step-1 actor "
-                                                 "against the step-2 reward model.")
+    parser = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
+        description="Step 3: RLHF fine-tuning (PPO) of the step-1 actor against the step-2 reward model.")
     add_data_args(parser)
     g = parser.add_argument_group("step 3 data")
     g.add_argument("--unsupervised_dataset_name", type=str, default=None,
@@ -58,6 +60,9 @@ def parse_args(argv=None):
                    help="Step-2 output folder: initialises both critic and reward model.")
     g.add_argument("--num_padding_at_beginning", type=int, default=1,
                    help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
+    g.add_argument("--allow_vocab_mismatch", action="store_true",
+                   help="Run even when the actor's and the reward model's tokenizers differ (the reward model "
+                        "then reads the actor's token ids as its own; refused by default).")
     add_trust_remote_code_arg(g)
     add_rlhf_role_args(parser, "actor", learning_rate=9.65e-6)
     add_rlhf_role_args(parser, "critic", learning_rate=5e-6)
@@ -196,6 +201,13 @@ def create_datasets(args, tokenizer, log):
     return prompt_loader, unsup_loader, ppo_steps, total_iters
 
 
+def epoch_batches(batches: int, args, ppo_step: int) -> int:
+    """Generation batches the epoch's progress bar counts: ``--max_steps`` can end the epoch early."""
+    if args.max_steps:
+        return max(0, min(batches, (args.max_steps - ppo_step) * args.generation_batches))
+    return batches
+
+
 def check_critic_folder(name_or_path: str) -> None:
     """Fail fast (before any model is built) when the critic folder is not a step-2 output."""
     from utils.model.critic import WEIGHTS_FILE, check_reward_model_folder, read_marker
@@ -292,7 +304,9 @@ def main(args):
     from utils.logger import TrainLogger
     from utils.model.critic import save_reward_model
     from utils.model.model_utils import load_hf_tokenizer, save_hf_format
-    from utils.preflight import check_output_dir_writable
+    from utils.perf import throughput_due
+    from utils.preflight import check_actor_and_critic, check_output_dir_writable, prepare_output_dir
+    from utils.summary import head_tail_window
     from utils.utils import get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
 
     # ---- set-up: checks, distributed, precision
@@ -300,6 +314,8 @@ def main(args):
     check_zero_combination(args)
     check_critic_folder(args.critic_model_name_or_path)
     check_output_dir_writable(args.output_dir)
+    check_actor_and_critic(args)
+    prepare_output_dir(args)
     device = init_distributed(args)
     resolve_dtype(args)
     mixing = unsupervised_enabled(args)
@@ -330,11 +346,7 @@ def main(args):
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
     # trained, so it is rebuilt from the step-1 folder instead of being saved
-    ckpt = CheckpointManager.from_args(args, log, config_keys=(
-        "actor_model_name_or_path", "critic_model_name_or_path", "data_path", "data_split", "seed",
-        "unsupervised_dataset_name", "per_device_generation_batch_size", "per_device_training_batch_size",
-        "generation_batches", "ppo_epochs", "max_prompt_seq_len", "max_answer_seq_len", "gradient_accumulation_steps",
-        "actor_zero_stage", "critic_zero_stage", "actor_lora_dim", "critic_lora_dim", "dtype", "enable_ema"))
+    ckpt = CheckpointManager.from_args(args, log)
     engines = {"actor": engine.actor, "critic": engine.critic}
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)
@@ -365,7 +377,8 @@ def main(args):
             if loader is not None:
                 loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
         batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
-        total = min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader)
+        total = epoch_batches(min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader),
+                              args, ppo_step)
         for batch_in_epoch, (batch_prompt, batch_unsup) in enumerate(
                 log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
             gen_step += 1
@@ -408,7 +421,7 @@ def main(args):
                      f"Average reward: {metrics['reward']:.4f} | EMA reward: {metrics['ema_reward']:.4f} | "
                      f"KL: {metrics['kl']:.4f} | answer length: {metrics['answer_len']:.1f} | "
                      f"dropped: {metrics['dropped']:.0f}")
-            if ppo_step == 1 or ppo_step % 10 == 0 or ppo_step == ppo_steps:
+            if throughput_due(ppo_step, ppo_steps):
                 for line in throughput_lines(perf):
                     log.info(line)
             log.scalars(ppo_step, "train", **metrics, actor_lr=engine.actor.get_lr()[0],
@@ -426,9 +439,8 @@ def main(args):
     result = {"steps": ppo_step, "dropped_total": trainer.dropped_total, "ref_unchanged": ref_unchanged}
     if history:
         first, last = history[0], history[-1]
-        n = max(1, min(10, len(history) // 4))
+        n = head_tail_window(len(history))  # the summary's rule: one reward pair in the log and the summary
         head, tail = (sum(m["reward"] for m in part) / n for part in (history[:n], history[-n:]))
-        log.info(f"average reward: first step {first['reward']:.4f} -> last step {last['reward']:.4f}")
         log.info(f"average reward: mean of the first {n} steps {head:.4f} -> of the last {n} steps {tail:.4f}")
         log.info(f"mean KL to the reference at the last step: {last['kl']:.4f}; reference model unchanged: "
                  f"{ref_unchanged}")

@@ -4,9 +4,11 @@ clear ``error:`` line naming the culprit, exit code 2, no traceback and no parti
 Two tables:
 
 * ``CLI_CASES`` run the real entry points in subprocesses (started together, a few at
-  a time). All but the disk-full case fail in the pre-flight checks
-  (:mod:`utils.preflight`, argument validation), before DeepSpeed or any model is set
-  up, so the output folder must not exist afterwards.
+  a time). All but two fail in the pre-flight checks (:mod:`utils.preflight`, argument
+  validation), before DeepSpeed or any model is set up: the disk-full case trains first,
+  and an empty eval split is found when the data are split (after model set-up, before
+  training). Either way the output folder must not exist afterwards (or, for a finished
+  run's folder, be unchanged).
 * ``test_*`` functions below check the layers directly (UserInputError and its message).
 
 Kinds covered elsewhere and not repeated here: malformed JSON / missing column / unknown
@@ -16,7 +18,9 @@ non-existent / config-only model folders (tests/test_model_utils.py); a step-1 f
 loaded as a reward model (tests/test_reward_model.py); step 3's flag combinations at the
 function level (tests/test_ppo_trainer.py); ZeRO/offload/dtype combinations
 (tests/test_zero_matrix.py); a checkpoint from another configuration, a failing
-checkpoint write (tests/test_checkpoint.py).
+checkpoint write (tests/test_checkpoint.py); reruns into finished / unfinished output
+folders, resuming with changed flags, ``metrics.jsonl`` across reruns and Ctrl-C
+(tests/test_reruns.py).
 """
 import errno
 import json
@@ -36,13 +40,19 @@ STEP1 = "step1_supervised_finetuning/main.py"
 STEP2 = "step2_reward_model_finetuning/main.py"
 DPO = "step2_dpo_finetuning/main.py"
 STEP3 = "step3_rlhf_finetuning/main.py"
+CHAT = "chat.py"
 TINY = ["--model_name_or_path", "tiny-opt", "--max_seq_len", "64", "--data_path", "builtin/preference-small"]
 STEP3_MODELS = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "{rm}",
                 "--data_path", "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8"]
 ONE_AND_A_HALF_MB = 1_500_000
 
 # name: (entry point, arguments, files to write {name: text}, fragments of the error line, options)
-# placeholders: {dir} = the case's folder, {rm} = a real step-2 folder (built once)
+# placeholders: {dir} = the case's folder, {rm} = a real step-2 folder (built once), {rm_llama} = one of tiny-llama
+# options: out (the --output_dir), keep_out (it exists before the run), trains (it trains before failing),
+# bare (no --data_output_path/--output_dir: chat.py), copy (copy a built-in model folder into {dir}/NAME first:
+# {NAME: (built-in name, "truncate" or None)}), untouched (the --output_dir's files are the same afterwards)
+FORTY_ROWS = "".join(json.dumps({"prompt": f" Human: Describe thing {i}. Assistant:", "chosen": " It is good.",
+                                 "rejected": " It is bad."}) + "\n" for i in range(40))
 CLI_CASES = {
     "negative_save_interval": (STEP1, [*TINY, "--save_interval", "-1"], {}, ["--save_interval must be ≥ 0"], {}),
     "resume_without_checkpoint": (STEP1, [*TINY, "--resume"], {}, ["--resume: no checkpoint in", "checkpoints"], {}),
@@ -69,6 +79,41 @@ CLI_CASES = {
                                    ["--inference_tp_size > 1 needs --actor_zero_stage 3"], {}),
     "step1_folder_as_critic": (STEP3, ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path",
                                        "tiny-opt"], {}, ["not a step-2 reward model folder"], {}),
+    # second round (issue 14): results that looked fine but were wrong, tracebacks, reruns
+    "negative_lora_dim": (STEP1, [*TINY, "--lora_dim", "-8"], {}, ["--lora_dim must be ≥ 0", "got -8"], {}),
+    "negative_actor_lora_dim": (STEP3, [*STEP3_MODELS, "--actor_lora_dim", "-8"], {},
+                                ["--actor_lora_dim must be ≥ 0", "got -8"], {}),
+    "negative_max_steps_dpo": (DPO, [*TINY, "--max_steps", "-1"], {}, ["--max_steps must be ≥ 0", "got -1"], {}),
+    "nan_learning_rate_step2": (STEP2, [*TINY, "--learning_rate", "nan"], {},
+                                ["--learning_rate must be a finite number > 0", "got nan"], {}),
+    "negative_learning_rate_step3": (STEP3, [*STEP3_MODELS, "--critic_learning_rate", "-1"], {},
+                                     ["--critic_learning_rate must be a finite number > 0", "got -1"], {}),
+    "one_token_sequences": (STEP1, [*TINY, "--max_seq_len", "1"], {}, ["--max_seq_len must be ≥ 2", "no next token"],
+                            {}),
+    "max_seq_len_beyond_positions": (STEP1, [*TINY, "--max_seq_len", "600"], {},
+                                     ["--max_seq_len = 600", "512 positions", "tiny-opt"], {}),
+    "step3_lengths_beyond_positions": (STEP3, [*STEP3_MODELS, "--max_prompt_seq_len", "400", "--max_answer_seq_len",
+                                               "200"], {}, ["--max_prompt_seq_len + --max_answer_seq_len = 600",
+                                                            "512 positions"], {}),
+    "actor_and_reward_vocabularies_differ": (STEP3, [*STEP3_MODELS, "--critic_model_name_or_path", "{rm_llama}"], {},
+                                             ["vocabulary mismatch", "670 tokens", "672 tokens",
+                                              "--allow_vocab_mismatch"], {}),
+    "truncated_weights_step1": (STEP1, [*TINY, "--model_name_or_path", "{dir}/model"], {},
+                                ["--model_name_or_path", "model.safetensors is damaged", "truncated"],
+                                {"copy": {"model": ("tiny-opt", "truncate")}}),
+    "truncated_weights_chat": (CHAT, ["--path", "{dir}/model"], {}, ["--path", "model.safetensors is damaged"],
+                               {"bare": True, "copy": {"model": ("tiny-opt", "truncate")}}),
+    "chat_zero_new_tokens": (CHAT, ["--path", "tiny-opt", "--max_new_tokens", "0"], {},
+                             ["--max_new_tokens must be ≥ 1, got 0"], {"bare": True}),
+    "model_path_is_a_file": (STEP1, [*TINY, "--model_name_or_path", "{dir}/weights.bin"], {"weights.bin": "x"},
+                             ["weights.bin", "is a file, not a model folder"], {}),
+    "finished_output_dir": (STEP1, [*TINY], {}, ["--output_dir", "already holds a finished run", "--overwrite"],
+                            {"copy": {"out": ("tiny-opt", None)}, "keep_out": True, "untouched": True}),
+    "overwrite_and_resume": (STEP2, [*TINY, "--overwrite", "--resume"], {}, ["--overwrite", "--resume"], {}),
+    # refused once the data are split (after model set-up, before training): a 40-row file has no phase-1 eval rows
+    "empty_eval_split": (STEP1, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/forty.jsonl"],
+                         {"forty.jsonl": FORTY_ROWS}, ["forty.jsonl", "phase-1 eval split is empty", "perplexity"],
+                         {}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},
@@ -96,13 +141,42 @@ def reward_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory, reward_folder):
+def llama_reward_folder(tmp_path_factory):
+    """A real (untrained) step-2 folder of tiny-llama (another tokenizer than tiny-opt's)."""
+    from utils.model.critic import create_critic_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+
+    folder = tmp_path_factory.mktemp("rm_llama") / "reward"
+    tokenizer = load_hf_tokenizer("tiny-llama")
+    save_reward_model(create_critic_model("tiny-llama", tokenizer, None, 0), tokenizer, str(folder))
+    return folder
+
+
+def copy_builtin(name, dst, damage=None):
+    """A copy of a built-in model's folder; ``damage="truncate"`` cuts its weights file in half."""
+    import shutil
+
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    shutil.copytree(resolve_model_name_or_path(name), dst)
+    if damage == "truncate":
+        weights = os.path.join(dst, "model.safetensors")
+        os.truncate(weights, os.path.getsize(weights) // 2)
+    return dst
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, reward_folder, llama_reward_folder):
     """Run every CLI case, at most 4 at a time (each pays Python + torch + DeepSpeed imports)."""
     base = tmp_path_factory.mktemp("bad_cli")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    pending, running, results = list(CLI_CASES.items()), {}, {}
+    pending, running, results, before = list(CLI_CASES.items()), {}, {}, {}
     while pending or running:
         while pending and len(running) < 4:
             case, (script, args, files, _, opts) = pending.pop(0)
@@ -110,9 +184,14 @@ def cli_runs(tmp_path_factory, reward_folder):
             folder.mkdir()
             for name, text in files.items():
                 (folder / name).write_text(text)
+            for name, (model, damage) in opts.get("copy", {}).items():
+                copy_builtin(model, folder / name, damage)
+            before[case] = tree(folder / "out") if opts.get("untouched") else None
             out = opts.get("out", "{dir}/out").format(dir=folder)
-            cmd = [sys.executable, str(REPO / script), *[a.format(dir=folder, rm=reward_folder) for a in args],
-                   "--data_output_path", str(folder / "data"), "--output_dir", out]
+            cmd = [sys.executable, str(REPO / script),
+                   *[a.format(dir=folder, rm=reward_folder, rm_llama=llama_reward_folder) for a in args]]
+            if not opts.get("bare"):
+                cmd += ["--data_output_path", str(folder / "data"), "--output_dir", out]
             limit = opts.get("fsize")
             running[case] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True, preexec_fn=_limit_file_size(limit) if limit else None),
@@ -120,13 +199,13 @@ def cli_runs(tmp_path_factory, reward_folder):
         case = next(iter(running))
         proc, folder = running.pop(case)
         out, err = proc.communicate(timeout=600)
-        results[case] = (proc.returncode, out, err, folder)
+        results[case] = (proc.returncode, out, err, folder, before.get(case))
     return results
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_cli_bad_input_is_one_clear_error_with_exit_code_2(case, cli_runs):
-    rc, out, err, folder = cli_runs[case]
+    rc, out, err, folder, before = cli_runs[case]
     fragments, opts = CLI_CASES[case][3], CLI_CASES[case][4]
     assert rc == 2, (out[-2000:], err[-3000:])
     assert "Traceback" not in err
@@ -140,6 +219,8 @@ def test_cli_bad_input_is_one_clear_error_with_exit_code_2(case, cli_runs):
         assert files == ["metrics.jsonl"], files
     elif not opts.get("keep_out"):
         assert not out_dir.exists()  # failed before any set-up: nothing written
+    if opts.get("untouched"):
+        assert tree(out_dir) == before  # an earlier run's result is neither overwritten nor appended to
 
 
 # --------------------------------------------------------------------------- function level
@@ -195,23 +276,155 @@ def test_safetensors_write_failure_is_a_write_failure(tmp_path):
     assert not is_write_failure(RuntimeError("an ordinary bug")) and not is_write_failure(ValueError("x"))
 
 
+def common_args(**changes):
+    args = SimpleNamespace(data_split="2,4,4", per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                           gradient_accumulation_steps=1, max_seq_len=64, num_train_epochs=1, max_steps=0,
+                           only_optimize_lora=False, lora_dim=0, output_dir="out", save_interval=0,
+                           max_checkpoints=2, resume=False, learning_rate=1e-3, lora_learning_rate=5e-4,
+                           weight_decay=0.0, dropout=None)
+    for field, value in changes.items():
+        setattr(args, field, value)
+    return args
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("per_device_train_batch_size", 0, "--per_device_train_batch_size must be ≥ 1, got 0"),
     ("gradient_accumulation_steps", -2, "--gradient_accumulation_steps must be ≥ 1, got -2"),
     ("max_seq_len", 0, "--max_seq_len must be ≥ 1"),
+    ("max_seq_len", 1, "--max_seq_len must be ≥ 2, got 1: a one-token sequence leaves no next token"),
+    ("max_steps", -1, r"--max_steps must be ≥ 0 \(0 = no limit\), got -1"),
+    ("lora_dim", -8, r"--lora_dim must be ≥ 0 \(0 = no LoRA\), got -8"),
+    ("learning_rate", -1.0, "--learning_rate must be a finite number > 0, got -1.0"),
+    ("learning_rate", float("nan"), "--learning_rate must be a finite number > 0, got nan"),
+    ("learning_rate", 0.0, "--learning_rate must be a finite number > 0, got 0.0"),
+    ("lora_learning_rate", float("inf"), "--lora_learning_rate must be a finite number > 0, got inf"),
+    ("weight_decay", float("nan"), "--weight_decay must be a finite number ≥ 0, got nan"),
+    ("dropout", 1.0, r"--dropout must be in \[0, 1\), got 1.0"),
     ("only_optimize_lora", True, "--only_optimize_lora needs --lora_dim > 0"),
     ("output_dir", None, "--output_dir is required"),
 ])
 def test_common_flag_checks(field, value, message):
     from utils.arguments import validate_common
 
-    args = SimpleNamespace(data_split="2,4,4", per_device_train_batch_size=8, per_device_eval_batch_size=8,
-                           gradient_accumulation_steps=1, max_seq_len=64, num_train_epochs=1,
-                           only_optimize_lora=False, lora_dim=0, output_dir="out", save_interval=0,
-                           max_checkpoints=2, resume=False)
-    setattr(args, field, value)
+    validate_common(common_args())  # the defaults pass
     with pytest.raises(UserInputError, match=message):
-        validate_common(args)
+        validate_common(common_args(**{field: value}))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--actor_lora_dim", "-8"], "--actor_lora_dim must be ≥ 0"),
+    (["--critic_lora_dim", "-1"], "--critic_lora_dim must be ≥ 0"),
+    (["--actor_learning_rate", "nan"], "--actor_learning_rate must be a finite number > 0, got nan"),
+    (["--critic_lora_learning_rate", "-1"], "--critic_lora_learning_rate must be a finite number > 0"),
+    (["--actor_weight_decay", "-0.1"], "--actor_weight_decay must be a finite number ≥ 0"),
+    (["--critic_dropout", "2"], r"--critic_dropout must be in \[0, 1\)"),
+    (["--max_steps", "-1"], "--max_steps must be ≥ 0"),
+])
+def test_step3_role_flags_are_checked_like_the_common_ones(flags, message):
+    from step3_rlhf_finetuning.main import parse_args, validate_step3
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+    validate_step3(parse_args(base))
+    with pytest.raises(UserInputError, match=message):
+        validate_step3(parse_args(base + flags))
+
+
+def test_step3_progress_bar_counts_the_batches_max_steps_lets_run():
+    from step3_rlhf_finetuning.main import epoch_batches
+
+    assert epoch_batches(100, SimpleNamespace(max_steps=10, generation_batches=1), 0) == 10
+    assert epoch_batches(100, SimpleNamespace(max_steps=10, generation_batches=2), 4) == 12
+    assert epoch_batches(5, SimpleNamespace(max_steps=10, generation_batches=1), 0) == 5
+    assert epoch_batches(100, SimpleNamespace(max_steps=0, generation_batches=1), 7) == 100
+
+
+def test_a_small_dataset_without_eval_rows_is_refused_for_steps_1_and_2(tmp_path):
+    """40 rows: phase 1 gets 8 train and 0 eval rows (its perplexity would read 1.0 -> 1.0)."""
+    from utils.data.data_utils import create_prompt_dataset
+    from utils.model.model_utils import load_hf_tokenizer
+
+    path = tmp_path / "forty.jsonl"
+    path.write_text(FORTY_ROWS)
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    with pytest.raises(UserInputError, match=r"forty\.jsonl: the phase-1 eval split is empty \(8 train rows, 0 eval "
+                                             r"rows with --data_split 2,4,4\), so the perplexity cannot be measured"):
+        create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "data"), 1, 1234, tokenizer, 64)
+    train, evaluation = create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "data"), 2, 1234, tokenizer,
+                                              64)
+    assert len(train) > 0 and len(evaluation) > 0  # phase 2's larger share leaves eval rows: accepted
+    with pytest.raises(UserInputError, match="phase-2 eval split is empty .* reward accuracy"):
+        create_prompt_dataset(-1, [str(path)], "8,1,1", str(tmp_path / "data"), 2, 1234, tokenizer, 64)
+
+
+def test_vocabularies_must_match_unless_allowed(reward_folder, llama_reward_folder):
+    from utils.preflight import check_actor_and_critic, check_shared_vocabulary
+
+    check_shared_vocabulary("tiny-opt", str(reward_folder))
+    with pytest.raises(UserInputError, match=r"tiny-opt \(670 tokens\) and --critic_model_name_or_path .* \(672 "
+                                             r"tokens\) disagree on \d+ tokens"):
+        check_shared_vocabulary("tiny-opt", str(llama_reward_folder))
+    args = SimpleNamespace(actor_model_name_or_path="tiny-opt", critic_model_name_or_path=str(llama_reward_folder),
+                           max_prompt_seq_len=16, max_answer_seq_len=8, trust_remote_code=False,
+                           allow_vocab_mismatch=False)
+    with pytest.raises(UserInputError, match="--allow_vocab_mismatch"):
+        check_actor_and_critic(args)
+    args.allow_vocab_mismatch = True
+    check_actor_and_critic(args)  # the user asked for it explicitly
+
+
+def test_damaged_weights_and_file_paths_are_named(tmp_path):
+    from utils.model.model_utils import resolve_model_name_or_path
+    from utils.preflight import check_causal_lm_path, check_weights_readable
+
+    good = copy_builtin("tiny-opt", tmp_path / "good")
+    check_weights_readable("--x", str(good))
+    bad = copy_builtin("tiny-opt", tmp_path / "bad", "truncate")
+    with pytest.raises(UserInputError, match=r"--model_name_or_path .*bad: model\.safetensors is damaged \("
+                                             r"incomplete metadata"):
+        check_causal_lm_path("--model_name_or_path", str(bad))
+    os.truncate(bad / "model.safetensors", 3)
+    with pytest.raises(UserInputError, match="model.safetensors is damaged"):
+        check_weights_readable("--x", str(bad))
+    with pytest.raises(UserInputError, match=r"is a file, not a model folder"):
+        resolve_model_name_or_path(str(good / "config.json"))
+
+
+def test_sequence_lengths_must_fit_the_position_table():
+    from utils.preflight import check_sequence_fits, model_positions
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    assert model_positions(resolve_model_name_or_path("tiny-llama")) == 512
+    assert model_positions("facebook/opt-1.3b") is None  # a hub name is not read (no network): unknown, accepted
+    check_sequence_fits("--model_name_or_path", "tiny-opt", 512, "--max_seq_len")
+    with pytest.raises(UserInputError, match=r"--max_seq_len = 513 is longer than the 512 positions of "
+                                             r"--model_name_or_path tiny-llama; use at most 512"):
+        check_sequence_fits("--model_name_or_path", "tiny-llama", 513, "--max_seq_len")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_new_tokens", "0"], "--max_new_tokens must be ≥ 1, got 0"),
+    (["--do_sample", "--temperature", "0"], "sampling needs --temperature > 0"),
+    (["--do_sample", "--top_p", "1.5"], "0 < --top_p ≤ 1"),
+])
+def test_chat_flags(flags, message):
+    from inference.chatbot import parse_args, validate
+
+    validate(parse_args(["--path", "tiny-opt"]))
+    with pytest.raises(UserInputError, match=message):
+        validate(parse_args(["--path", "tiny-opt", *flags]))
+
+
+def test_help_shows_defaults_and_one_deepspeed_group():
+    from scripts import gen_readme_tables as gen
+
+    for name, script in gen.ENTRY_POINTS.items():
+        parser = gen.load_parser(script)
+        text = parser.format_help()
+        assert "(default: " in text, name
+        titles = [g.title.lower() for g in parser._action_groups]
+        assert titles.count("deepspeed") <= 1 and len(titles) == len(set(titles)), (name, titles)
+    text = " ".join(gen.load_parser(gen.ENTRY_POINTS["step1"]).format_help().split())
+    assert "--learning_rate LEARNING_RATE Initial learning rate (after warm-up). (default: 0.001)" in text
 
 
 def test_every_prompt_over_the_length_limit_is_a_clear_error(tmp_path):

@@ -346,3 +346,13 @@ def test_reference_defaults():
             args.actor_lora_module_name, args.seed, args.kl_ctl, args.lam) == (16, 256, 1, "decoder.layers.", 1234,
                                                                                0.1, 0.95)
     assert not args.do_sample and args.tensorboard_path == "step3_tensorboard"
+
+
+def test_throughput_is_logged_about_five_times_a_run():
+    """Without a terminal, timing lines must not dominate the log (the demo's step 1 has 400 steps)."""
+    from utils.perf import throughput_due
+
+    assert [s for s in range(1, 401) if throughput_due(s, 400)] == [80, 160, 240, 320, 400]
+    assert [s for s in range(1, 81) if throughput_due(s, 80)] == [16, 32, 48, 64, 80]
+    assert [s for s in range(1, 4) if throughput_due(s, 3)] == [3]  # short runs: the last step only
+    assert [s for s in range(1, 26) if throughput_due(s, 25)] == [10, 20, 25]  # never more often than every 10

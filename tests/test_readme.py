@@ -81,3 +81,48 @@ def test_architecture_tree_names_existing_files():
     assert "train.py" in paths and len(paths) > 20
     missing = [p for p in paths if not (REPO / p).exists()]
     assert not missing, f"README architecture lists missing files: {missing}"
+
+
+def sections_with_code():
+    """(section title, text before each code block since the previous one, the block) for every code block."""
+    for section in README.split("\n## ")[1:]:
+        title, body = section.split("\n", 1)
+        parts = re.split(r"```(?:bash|text)?\n(.*?)```", body, flags=re.S)
+        for i in range(1, len(parts), 2):
+            yield title, parts[i - 1], parts[i]
+
+
+def needs_the_hub(cmd):
+    """Does this README command read a model or data set from the Hugging Face hub?"""
+    hub_name = re.compile(r"^(?!builtin/|output/|\.|/)[\w.-]+/[\w.-]+$")  # org/name, not a local path
+    if cmd[1] == "train.py":
+        return "--demo" not in cmd and "--dry-run" not in cmd
+    if "--data_path" not in cmd and cmd[1].startswith("step") and "step3" not in cmd[1]:
+        return True  # the default --data_path is Dahoas/rm-static
+    return any(hub_name.match(arg) for arg in cmd[2:])
+
+
+def test_every_command_that_needs_the_hub_says_so():
+    """Offline, a hub command retries for about a minute and then fails: the README must say so beside it."""
+    unmarked, checked = [], 0
+    for title, intro, block in sections_with_code():
+        for line in block.replace("\\\n", " ").splitlines():
+            command, _, comment = line.partition("  #")
+            words = shlex.split(command.strip()) if command.strip().startswith(("python", "deepspeed")) else []
+            if len(words) < 2 or not words[1].endswith(".py"):
+                continue
+            checked += 1
+            context = intro.strip().split("\n\n")[-1] or title  # the paragraph just before the block (or heading)
+            if needs_the_hub(words) and not any("hub" in text for text in (context, comment)):
+                unmarked.append(command.strip())
+    assert checked > 10 and not unmarked, unmarked
+
+
+def test_built_in_tokenizer_sizes_in_the_readme_are_true():
+    from utils.model.model_utils import load_hf_tokenizer
+
+    sizes = {name: len(load_hf_tokenizer(name)) for name in ("tiny-opt", "tiny-llama", "small-opt")}
+    assert sizes == {"tiny-opt": 670, "tiny-llama": 672, "small-opt": 670}
+    assert f"{sizes['tiny-opt']} tokens for `tiny-opt` and `small-opt`, {sizes['tiny-llama']} for `tiny-llama`" \
+        in " ".join(README.split())
+    assert "vocabulary size (670)" in README and "1000 tokens" not in README

@@ -188,9 +188,10 @@ def test_summary_condenses_metrics_and_tolerates_missing_keys(tmp_path):
     assert s2["wall_time_s"] is None and "final_train_loss" not in s2
     # 8 noisy rewards: start/end are means of the first/last 2 (a quarter); "nan" KL values are skipped
     assert (s3["reward_start"], s3["reward_end"]) == (0.5, 6.5)
-    assert s3["kl_end"] == pytest.approx(0.06)  # 7 finite values: window 7 // 4 = 1
+    assert s3["kl_end"] == pytest.approx(0.06)  # the last finite value: the last step's, as step 3 logs it
     table = summary.format_table(result)
-    assert "0:01:01" in table and "eval ppl 700.0 -> 10.00" in table and "reward 0.500 -> 6.500" in table
+    assert "0:01:01" in table and "eval ppl 700.0 -> 10.00" in table
+    assert "reward 0.500 -> 6.500, KL at the last step 0.0600" in table
     text = summary.write_summary(str(tmp_path / "out"), folders, {1: 61.0})
     assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["1"]["wall_time_s"] == 61.0

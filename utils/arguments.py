@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every flag's default; descriptions and epilogs keep their line breaks."""
+
+
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 DTYPES = ["fp16", "bf16", "fp32"]
 
@@ -69,7 +74,7 @@ def add_training_args(parser: argparse.ArgumentParser):
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser):
-    g = parser.add_argument_group("deepspeed")
+    g = parser.add_argument_group("ZeRO and precision")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the launcher.")
     g.add_argument("--offload", action="store_true", help="ZeRO-Offload parameters/optimizer to CPU.")
     g.add_argument("--dtype", type=str, default=None, choices=DTYPES,
@@ -113,11 +118,15 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, unit: str = "optimizer 
                    help="Require resuming from a checkpoint in <output_dir>/checkpoints (an error if there is "
                         "none). Without it, a valid checkpoint is still resumed from automatically.")
     g.add_argument("--max_checkpoints", type=int, default=2, help="Keep only the newest this many checkpoints.")
+    g.add_argument("--overwrite", action="store_true",
+                   help="Start afresh in an --output_dir that holds an earlier run: delete its model, checkpoints "
+                        "and metrics.jsonl first. Without it a finished run's folder is refused.")
     return g
 
 
 def validate_checkpoint_args(args) -> None:
-    """``--save_interval`` ≥ 0, ``--max_checkpoints`` ≥ 1; ``--resume`` needs a checkpoint folder to exist."""
+    """``--save_interval`` ≥ 0, ``--max_checkpoints`` ≥ 1; ``--resume`` needs a checkpoint folder to exist
+    (and excludes ``--overwrite``)."""
     import os
     import re
 
@@ -127,11 +136,37 @@ def validate_checkpoint_args(args) -> None:
         raise UserInputError(f"--save_interval must be ≥ 0 (0 = no checkpoints), got {args.save_interval}")
     if args.max_checkpoints < 1:
         raise UserInputError(f"--max_checkpoints must be ≥ 1, got {args.max_checkpoints}")
+    if args.resume and getattr(args, "overwrite", False):
+        raise UserInputError("--overwrite starts afresh and --resume continues a run: give one of them")
     if args.resume:
         root = os.path.join(args.output_dir or "", "checkpoints")
         names = os.listdir(root) if args.output_dir and os.path.isdir(root) else []
         if not any(re.match(r"^step-\d{8}$", n) for n in names):
             raise UserInputError(f"--resume: no checkpoint in {root} (drop --resume to start a fresh run)")
+
+
+def check_number_flags(args) -> None:
+    """Every learning rate finite and > 0, LoRA ranks ≥ 0, weight decays finite ≥ 0, dropouts in [0, 1).
+
+    Found by name (``--learning_rate``, ``--actor_lora_dim``, ``--critic_dropout`` …), so step 3's
+    per-role flags are covered too. A negative LoRA rank would silently train without LoRA;
+    a negative or NaN learning rate would fail deep inside the optimizer.
+    """
+    import math
+
+    from utils.errors import UserInputError
+
+    for name, value in sorted(vars(args).items()):
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name.endswith("learning_rate") and not (math.isfinite(value) and value > 0):
+            raise UserInputError(f"--{name} must be a finite number > 0, got {value}")
+        if name.endswith("lora_dim") and value < 0:
+            raise UserInputError(f"--{name} must be ≥ 0 (0 = no LoRA), got {value}")
+        if name.endswith("weight_decay") and not (math.isfinite(value) and value >= 0):
+            raise UserInputError(f"--{name} must be a finite number ≥ 0, got {value}")
+        if name.endswith("dropout") and not (0 <= value < 1):
+            raise UserInputError(f"--{name} must be in [0, 1), got {value}")
 
 
 def validate_common(args) -> None:
@@ -146,6 +181,12 @@ def validate_common(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UserInputError(f"--{name} must be ≥ 1, got {value}")
+    if getattr(args, "max_seq_len", None) == 1:
+        raise UserInputError("--max_seq_len must be ≥ 2, got 1: a one-token sequence leaves no next token to "
+                             "predict (the loss would be NaN)")
+    if getattr(args, "max_steps", 0) < 0:
+        raise UserInputError(f"--max_steps must be ≥ 0 (0 = no limit), got {args.max_steps}")
+    check_number_flags(args)
     if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 1) <= 0:
         raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
     if getattr(args, "output_dir", "x") is None:

@@ -18,16 +18,16 @@ back to the previous one. Only the newest ``max_checkpoints`` are kept.
 
 The entry points use :class:`CheckpointManager` through three calls::
 
-    ckpt = CheckpointManager.from_args(args, log, config_keys=("seed", ...))  # --save_interval, --resume, …
+    ckpt = CheckpointManager.from_args(args, log)  # --save_interval, --resume, …
     state = ckpt.resume({"actor": actor_engine, ...})   # None for a fresh run, else the trainer state
     ...                                   # after each optimizer step, once loss/reward passed check_finite:
     ckpt.step_done(step, engines, lambda: {"epoch": ..., "batches_in_epoch": ..., ...})
 
 Resume is automatic: rerunning the same command picks up the newest valid checkpoint
-in ``--output_dir``; ``--resume`` makes "no checkpoint" an error. ``config_keys`` name
-the arguments that must not change between the interrupted and the resumed run (batch
-sizes, seed, data, ZeRO stage…; the world size is always checked); a mismatch is a
-:class:`UserInputError`. If every checkpoint is corrupt, a run without ``--resume``
+in ``--output_dir``; ``--resume`` makes "no checkpoint" an error. Every flag that changes
+the result (all but :data:`RUN_ONLY_FLAGS`: output paths, logging, checkpoint cadence, run length) must
+be the same in the interrupted and the resumed run, and so must the world size; a
+difference is a :class:`UserInputError` naming the flag. If every checkpoint is corrupt, a run without ``--resume``
 starts from scratch (after the messages).
 
 Data-loader position: :class:`EpochSampler` orders an epoch as a pure function of
@@ -40,9 +40,10 @@ them (``weights_only=False``); they are loaded only after their sizes and sha256
 the manifest. That detects corruption and truncation, not tampering: whoever can write
 the checkpoint folder can rewrite the manifest too, so only resume from folders you trust.
 
-Test-only fault hook (read only here): ``DSCHAT_TEST_KILL_AT_STEP=N`` makes the process
+Test-only fault hooks (read only here): ``DSCHAT_TEST_KILL_AT_STEP=N`` makes the process
 SIGKILL itself right after optimizer step N (after any checkpoint of that step), to
-test resuming from a hard crash.
+test resuming from a hard crash; ``DSCHAT_TEST_INTERRUPT_AT_STEP=N`` sends it SIGINT
+there instead (a Ctrl-C).
 """
 from __future__ import annotations
 
@@ -62,12 +63,21 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from utils.errors import UserInputError
-from utils.utils import barrier, get_rank, get_world_size, is_rank_0, is_write_failure
+from utils.utils import PROGRESS, barrier, get_rank, get_world_size, is_rank_0, is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
 KILL_AT_STEP_ENV = "DSCHAT_TEST_KILL_AT_STEP"
+INTERRUPT_AT_STEP_ENV = "DSCHAT_TEST_INTERRUPT_AT_STEP"
 _NAME = re.compile(r"^step-(\d{8})$")
+# Flags that may differ between an interrupted run and its resume: those that do not change what a run
+# computes (paths, logging, evaluation, checkpoint cadence), and the run length, so that a run can be
+# resumed to train longer (docs/checkpointing.md). Every other flag must be the same.
+RUN_ONLY_FLAGS = frozenset((
+    "local_rank", "global_rank", "output_dir", "data_output_path", "save_interval", "max_checkpoints", "resume",
+    "overwrite", "print_loss", "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
+    "eval_interval", "eval_iters", "per_device_eval_batch_size", "preprocessing_num_workers", "deepspeed",
+    "deepspeed_config", "deepscale", "deepscale_config", "num_train_epochs", "max_steps"))
 
 
 # --------------------------------------------------------------------------- RNG
@@ -278,11 +288,13 @@ def _broadcast(obj):
 
 
 def kill_point(step: int) -> None:
-    """Test-only: SIGKILL this process after optimizer step ``$DSCHAT_TEST_KILL_AT_STEP``."""
-    if os.environ.get(KILL_AT_STEP_ENV) == str(step):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Test-only: SIGKILL (SIGINT) this process after optimizer step ``$DSCHAT_TEST_KILL_AT_STEP``
+    (``$DSCHAT_TEST_INTERRUPT_AT_STEP``)."""
+    for env, sig in ((KILL_AT_STEP_ENV, signal.SIGKILL), (INTERRUPT_AT_STEP_ENV, signal.SIGINT)):
+        if os.environ.get(env) == str(step):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), sig)
 
 
 # --------------------------------------------------------------------------- manager
@@ -300,19 +312,22 @@ class CheckpointManager:
         self.save_interval = save_interval
         self.require_resume = require_resume
         self.config = dict(config or {})
+        self.metrics = None  # a TrainLogger whose metrics.jsonl follows the resumed step (from_args)
 
     @classmethod
-    def from_args(cls, args, log, config_keys=()) -> "CheckpointManager":
+    def from_args(cls, args, log) -> "CheckpointManager":
         """From ``--output_dir``, ``--save_interval``, ``--max_checkpoints``, ``--resume``.
 
-        ``log``: a :class:`~utils.logger.TrainLogger`. ``config_keys``: names of ``args``
-        that must be equal in the interrupted and the resumed run (the world size is
-        always checked).
+        ``log``: a :class:`~utils.logger.TrainLogger` (its ``metrics.jsonl`` is trimmed to
+        the resumed step). Every argument but :data:`RUN_ONLY_FLAGS` must be equal in the
+        interrupted and the resumed run (and the world size).
         """
-        config = {key: getattr(args, key) for key in config_keys}
+        config = {key: value for key, value in sorted(vars(args).items()) if key not in RUN_ONLY_FLAGS}
         config["world_size"] = get_world_size()
-        return cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
-                   require_resume=args.resume, config=config, warn=log.warning)
+        manager = cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
+                      require_resume=args.resume, config=config, warn=log.warning)
+        manager.metrics = log
+        return manager
 
     # ------------------------------------------------------------------ listing
 
@@ -397,21 +412,25 @@ class CheckpointManager:
     def step_done(self, step: int, engines: Dict[str, object], trainer_state: Callable[[], dict]) -> None:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
         ``--save_interval`` steps, then the test-only kill hook."""
+        PROGRESS["step"] = step
         if self.save_interval > 0 and step % self.save_interval == 0:
             start = time.time()
             path = self.save(step, engines, trainer_state())
+            PROGRESS.update(checkpoint=step, checkpoints=self.root)
             self.log(f"saved checkpoint {path} ({time.time() - start:.2f}s)")
         kill_point(step)
 
     # ------------------------------------------------------------------ load
 
     def _check_config(self, path: str, saved: dict) -> None:
-        diffs = [f"{key}: checkpoint {saved.get(key)!r}, now {value!r}"
-                 for key, value in self.config.items() if saved.get(key) != value]
+        """Keys the checkpoint did not record (older checkpoints recorded fewer) are not compared."""
+        diffs = [f"{key}: checkpoint {saved[key]!r}, now {value!r}"
+                 for key, value in self.config.items() if key in saved and saved[key] != value]
         if diffs:
+            flags = ", ".join(f"--{d.split(':')[0]}" for d in diffs if not d.startswith("world_size"))
             raise UserInputError(f"checkpoint {path} comes from a different run configuration ({'; '.join(diffs)}); "
-                                 f"rerun with the same settings, or use a new --output_dir (or delete {self.root}) "
-                                 "to start over")
+                                 f"rerun with the same settings{f' ({flags} as before)' if flags else ''} to resume "
+                                 "it, or start afresh with --overwrite (or a new --output_dir)")
 
     def load(self, engines: Dict[str, object], path: Optional[str] = None) -> Optional[dict]:
         """Load the newest valid checkpoint into ``engines`` (collective); returns the trainer state or None."""
@@ -428,6 +447,7 @@ class CheckpointManager:
         if not os.path.isfile(rng_file):
             raise UserInputError(f"checkpoint {path} has no RNG state for rank {get_rank()} (saved with fewer ranks)")
         set_rng_state(torch.load(rng_file, weights_only=True))
+        PROGRESS.update(step=state["step"], checkpoint=state["step"], checkpoints=self.root)
         self.log(f"resumed from {path} (step {state['step']})")
         return state
 
@@ -439,4 +459,6 @@ class CheckpointManager:
         state = self.load(engines)
         if state is None and self.require_resume:
             raise UserInputError(f"--resume: no usable checkpoint in {self.root} (drop --resume to start a fresh run)")
+        if self.metrics is not None:
+            self.metrics.restart_metrics(state["step"] if state else None)
         return state

@@ -65,6 +65,37 @@ class TrainLogger:
             row.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
             self.metrics_file.write(json.dumps(row) + "\n")
 
+    def restart_metrics(self, resumed_step: int | None) -> None:
+        """Make ``metrics.jsonl`` this run's record: rows of an earlier attempt past ``resumed_step`` go.
+
+        A fresh run (``None``) starts an empty file; a run resumed from step N keeps the rows
+        before N and N's training row (the steps it will not redo). So a rerun never mixes old
+        and new rows or restarts the step counter within one file.
+        """
+        if not (self.rank0 and self.metrics_dir):
+            return
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            self.metrics_file = None
+        path = os.path.join(self.metrics_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            return
+        keep = []
+        if resumed_step is not None:
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                        step = int(row["step"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    if step < resumed_step or (step == resumed_step and row.get("phase") == "train"):
+                        keep.append(line if line.endswith("\n") else line + "\n")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -7,6 +7,12 @@ The FLOP count is the reference's estimate for a decoder-only transformer:
 from __future__ import annotations
 
 
+def throughput_due(step: int, total_steps: int) -> bool:
+    """Log throughput about five times a run (and at its last step), never more often than every 10 steps:
+    a log read without a terminal is then the run's progress, not pages of timing lines."""
+    return step == total_steps or step % max(10, -(-total_steps // 5)) == 0
+
+
 def model_shape(config):
     """(num_layers, hidden_size, vocab_size) of a Hugging Face config."""
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")

@@ -55,7 +55,63 @@ def check_causal_lm_path(flag: str, name_or_path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER_FILE)):
         raise UserInputError(f"{flag} {name_or_path}: this is a step-2 reward model folder (it has {MARKER_FILE}), "
                              "not a causal language model; give the step-1 output (or a base model) here")
+    check_weights_readable(flag, path)
     return path
+
+
+def check_weights_readable(flag: str, folder: str) -> None:
+    """Every ``*.safetensors`` file of a local model folder has a complete header that covers the file.
+
+    A truncated copy (an interrupted download or ``cp``) otherwise fails deep inside
+    ``from_pretrained`` with a SafetensorError traceback. Reads headers only.
+    """
+    if not os.path.isdir(folder):
+        return
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - SafetensorError is not importable by name
+            reason = str(e).split(": ", 1)[-1]
+            raise UserInputError(f"{flag} {folder}: {name} is damaged ({reason}); it was probably truncated by "
+                                 "an interrupted copy or save: copy or train the model again") from None
+
+
+def model_positions(path: str) -> Optional[int]:
+    """The longest sequence a local model folder's config allows (None: unknown, e.g. a hub name)."""
+    import json
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    try:
+        with open(config) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"):
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
+
+
+def check_sequence_fits(flag: str, name_or_path: str, length: int, length_flags: str) -> None:
+    """``length`` tokens (``length_flags`` names the flags that make it) fit the model's position table.
+
+    Checked up front for every run, not only when a long row happens to come along
+    (a learned position table then fails with ``IndexError: index out of range``).
+    """
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    positions = model_positions(resolve_model_name_or_path(name_or_path))
+    if positions is not None and length > positions:
+        raise UserInputError(f"{length_flags} = {length} is longer than the {positions} positions of {flag} "
+                             f"{name_or_path}; use at most {positions}")
 
 
 def check_reward_model_path(flag: str, name_or_path: str) -> str:
@@ -64,9 +120,11 @@ def check_reward_model_path(flag: str, name_or_path: str) -> str:
     from utils.model.model_utils import resolve_model_name_or_path
 
     try:
-        return check_reward_model_folder(resolve_model_name_or_path(name_or_path))
+        folder = check_reward_model_folder(resolve_model_name_or_path(name_or_path))
     except UserInputError as e:
         raise UserInputError(f"{flag}: {e}") from None
+    check_weights_readable(flag, folder)
+    return folder
 
 
 def check_shared_vocabulary(actor: str, critic: str, trust_remote_code: bool = False) -> None:
@@ -74,7 +132,7 @@ def check_shared_vocabulary(actor: str, critic: str, trust_remote_code: bool = F
 
     Every token of the actor's tokenizer must have the same id in the step-2 folder's
     tokenizer (a reward model trained on another vocabulary would score nonsense, or
-    index past its embeddings).
+    index past its embeddings). ``--allow_vocab_mismatch`` skips this check.
     """
     from utils.model.model_utils import load_hf_tokenizer
 
@@ -85,7 +143,21 @@ def check_shared_vocabulary(actor: str, critic: str, trust_remote_code: bool = F
         raise UserInputError(f"tokenizer/model vocabulary mismatch: --actor_model_name_or_path {actor} "
                              f"({len(actor_vocab)} tokens) and --critic_model_name_or_path {critic} "
                              f"({len(critic_vocab)} tokens) disagree on {len(differ)} tokens (e.g. "
-                             f"{', '.join(map(repr, differ[:3]))}); train the reward model from the actor's tokenizer")
+                             f"{', '.join(map(repr, differ[:3]))}), so the reward model would score the wrong "
+                             "tokens; train the reward model from the actor's tokenizer (or pass "
+                             "--allow_vocab_mismatch to run anyway)")
+
+
+def check_actor_and_critic(args) -> None:
+    """Step 3's models: readable weights, room for prompt + answer, one vocabulary (unless allowed)."""
+    length, flags = args.max_prompt_seq_len + args.max_answer_seq_len, "--max_prompt_seq_len + --max_answer_seq_len"
+    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
+    check_reward_model_path("--critic_model_name_or_path", args.critic_model_name_or_path)
+    for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path"):
+        check_sequence_fits(flag, getattr(args, flag[2:]), length, flags)
+    if not args.allow_vocab_mismatch:
+        check_shared_vocabulary(args.actor_model_name_or_path, args.critic_model_name_or_path,
+                                args.trust_remote_code)
 
 
 def check_phase_share(data_split: str, phase: int, has_sft_only_data: bool = False) -> None:
@@ -95,6 +167,90 @@ def check_phase_share(data_split: str, phase: int, has_sft_only_data: bool = Fal
     if parse_data_split(data_split)[phase - 1] == 0 and not (phase == 1 and has_sft_only_data):
         raise UserInputError(f"--data_split {data_split}: the share of phase {phase} (this step's data) is 0, "
                              "so there is nothing to train on")
+
+
+RUN_LOG = "training.log"  # train.py's copy of a step's console output: written before the step starts
+# What a run writes into its --output_dir (a Hugging Face model folder, step 3's sub-folders, checkpoints,
+# metrics, tensorboard logs of the per-size scripts): --overwrite deletes these and nothing else.
+RUN_ENTRIES = ("config.json", "generation_config.json", "reward_model.json", "*.safetensors", "*.bin",
+               "*.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+               "merges.txt", "chat_template.*", "*.model", "metrics.jsonl*", "checkpoints", "actor", "critic",
+               "actor_ema", "ds_tensorboard_logs", "events.out.tfevents.*")
+
+
+def finished_model(out_dir: str) -> Optional[str]:
+    """The folder holding a finished run's model in ``out_dir`` (step 3: its ``actor/``), or None."""
+    for folder in (out_dir, os.path.join(out_dir, "actor")):
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    return None
+
+
+def changed_flags(args, out_dir: str) -> list:
+    """``--flag old -> new`` for the result flags that differ from the newest checkpoint in ``out_dir``
+    (none when there is no readable checkpoint; flags not resolved yet, such as a default dtype, are skipped)."""
+    import glob
+
+    from utils.checkpoint import RUN_ONLY_FLAGS, STATE
+
+    states = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step-*", STATE)))
+    if not states:
+        return []
+    try:
+        import torch
+
+        saved = torch.load(states[-1], weights_only=True).get("config", {})
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only loses this detail of the message
+        return []
+    return [f"--{key} {saved[key]!r} -> {value!r}" for key, value in sorted(vars(args).items())
+            if key in saved and key not in RUN_ONLY_FLAGS and value is not None and saved[key] != value]
+
+
+def prepare_output_dir(args, log=print) -> None:
+    """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step.
+
+    * a folder holding a finished run (a saved model) is refused, unless ``--overwrite``;
+    * ``--overwrite`` deletes what an earlier run left there (model, checkpoints,
+      metrics.jsonl: :data:`RUN_ENTRIES`; not train.py's ``training.log``) so the new run starts
+      afresh; a folder that also holds anything else is refused, and nothing is deleted;
+    * otherwise checkpoints of an unfinished run are resumed from (:mod:`utils.checkpoint`), and
+      ``metrics.jsonl`` keeps only the rows up to the resumed step (:meth:`TrainLogger.restart_metrics`).
+
+    Call last among the checks: nothing is deleted when another check fails.
+    """
+    import fnmatch
+    import shutil
+
+    out, overwrite = getattr(args, "output_dir", None), getattr(args, "overwrite", False)
+    if not out or not os.path.isdir(out):
+        return
+    model = finished_model(out)
+    if model is not None and not overwrite:
+        changed = changed_flags(args, out)
+        raise UserInputError(f"--output_dir {out} already holds a finished run (its model is in {model}"
+                             f"{'; changed since: ' + ', '.join(changed) if changed else ''}); rerun with "
+                             "--overwrite to replace it (the old model, checkpoints and metrics.jsonl are deleted "
+                             "first), or give another --output_dir")
+    if not overwrite:
+        return
+    old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
+    foreign = [name for name in old if not any(fnmatch.fnmatch(name, pattern) for pattern in RUN_ENTRIES)]
+    if foreign:  # e.g. --output_dir . by mistake: never delete what no run wrote
+        raise UserInputError(f"--overwrite: {out} also holds {', '.join(foreign[:5])}"
+                             f"{' …' if len(foreign) > 5 else ''}, which no training run writes; nothing was "
+                             "deleted: move those away or give another --output_dir")
+    if int(os.environ.get("RANK", "0")) == 0:  # one deleter, also when nodes share the folder
+        for name in old:
+            path = os.path.join(out, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError as e:
+                raise UserInputError(f"--overwrite: cannot delete {path} ({e.strerror or e})") from None
+        if old:
+            log(f"--overwrite: deleted the earlier run's {', '.join(old)} from {out}")
 
 
 def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[str, str] = (),
@@ -110,9 +266,12 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
     check_output_dir_writable(getattr(args, "output_dir", None))
     for flag, name in dict(causal_lms).items():
         check_causal_lm_path(flag, name)
+        if getattr(args, "max_seq_len", None):
+            check_sequence_fits(flag, name, args.max_seq_len, "--max_seq_len")
     for flag, name in dict(reward_models).items():
         check_reward_model_path(flag, name)
     local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", -1), 0)))
     if data and local_rank == 0:
         names = list(args.data_path) + list(getattr(args, "sft_only_data_path", None) or [])
         check_data_sources(names, args.data_output_path, args.seed)
+    prepare_output_dir(args)

@@ -66,13 +66,24 @@ def series(rows: list, phase: str, quantity: str) -> tuple[list, list]:
     return xs, ys
 
 
-def _first_last(values: list, window: int | None = None):
-    """(first, last) values; with ``window``, means of the first/last ``window`` values (noisy curves)."""
+REWARD_WINDOW = 10  # step 3's reward start/end: means of the first/last min(10, a quarter) steps
+
+
+def head_tail_window(count: int) -> int:
+    """How many of ``count`` noisy values the start/end means take: a quarter, 1 to ``REWARD_WINDOW``.
+
+    The one rule for step 3's log line and the summary, so both print the same pair.
+    """
+    return max(1, min(REWARD_WINDOW, count // 4))
+
+
+def _first_last(values: list, window: bool = False):
+    """(first, last) values; with ``window``, means of the first/last :func:`head_tail_window` values."""
     if not values:
         return None, None
-    if window is None:
+    if not window:
         return values[0], values[-1]
-    k = max(1, min(window, len(values) // 4 or 1))
+    k = head_tail_window(len(values))
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
@@ -97,10 +108,10 @@ def summarize_step(n: int, rows: list) -> dict:
         put("chosen_score", _first_last(series(rows, "eval", "chosen")[1])[1])
         put("rejected_score", _first_last(series(rows, "eval", "rejected")[1])[1])
     elif n == 3:
-        start, end = _first_last(series(rows, "train", "reward")[1], window=5)
+        start, end = _first_last(series(rows, "train", "reward")[1], window=True)
         put("reward_start", start)
         put("reward_end", end)
-        put("kl_end", _first_last(series(rows, "train", "kl")[1], window=5)[1])
+        put("kl_end", _first_last(series(rows, "train", "kl")[1])[1])  # the last step's, as step 3 logs it
         put("actor_loss_end", _first_last(series(rows, "train", "actor_loss")[1])[1])
         put("critic_loss_end", _first_last(series(rows, "train", "critic_loss")[1])[1])
     steps, train_loss = series(rows, "train", "loss")
@@ -132,7 +143,7 @@ def describe(n: int, s: dict) -> str:
         if "reward_end" in s:
             parts.append(f"reward {_f(s.get('reward_start'))} -> {_f(s['reward_end'])}")
         if "kl_end" in s:
-            parts.append(f"KL {_f(s['kl_end'], 4)}")
+            parts.append(f"KL at the last step {_f(s['kl_end'], 4)}")
         if "actor_loss_end" in s or "critic_loss_end" in s:
             parts.append(f"actor loss {_f(s.get('actor_loss_end'))}, critic loss {_f(s.get('critic_loss_end'))}")
     if "final_train_loss" in s:

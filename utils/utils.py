@@ -144,8 +144,28 @@ def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# Where a training run is, for the Ctrl-C message: updated by utils.checkpoint.CheckpointManager.
+PROGRESS = {"step": None, "checkpoint": None, "checkpoints": None}
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
+def interrupt_message() -> str:
+    """"interrupted at step N; rerun … to resume from step M" (or what a rerun does instead)."""
+    step, saved, root = PROGRESS["step"], PROGRESS["checkpoint"], PROGRESS["checkpoints"]
+    where = "before the first training step" if step is None else f"at step {step}"
+    if saved:
+        return f"interrupted {where}; rerun the same command to resume from step {saved} (checkpoint in {root})"
+    if step is None:
+        return f"interrupted {where}; nothing was saved, a rerun starts afresh"
+    return (f"interrupted {where}; no checkpoint was saved (--save_interval N saves one every N steps), "
+            "so a rerun starts afresh")
+
+
 def run_main(main: Callable, args) -> None:
-    """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3."""
+    """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3,
+    Ctrl-C with one line saying where the run stopped and how to resume, exit code 130."""
+    import signal
+
     try:
         main(args)
     except UserInputError as e:
@@ -154,6 +174,11 @@ def run_main(main: Callable, args) -> None:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
+        if get_rank() == 0:
+            print(f"\n{interrupt_message()}", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
 
 
 # --------------------------------------------------------------------------- files

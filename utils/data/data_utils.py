@@ -231,6 +231,12 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     if len(train_dataset) == 0:
         raise UserInputError(f"--data_path {' '.join(data_path)}: no usable rows for phase {train_phase} "
                              f"(skipped: {train_dataset.stats.get('skipped') or 'none'})")
+    if len(eval_dataset) == 0 and train_phase in (1, 2):  # steps 1 and 2 would report made-up eval numbers
+        measure = "perplexity" if train_phase == 1 else "reward accuracy"
+        raise UserInputError(f"--data_path {' '.join(data_path)}: the phase-{train_phase} eval split is empty "
+                             f"({len(train_dataset)} train rows, 0 eval rows with --data_split {data_split}), so "
+                             f"the {measure} cannot be measured; give more rows, a dataset with its own eval/test "
+                             f"split, or a larger phase-{train_phase} share in --data_split")
     return train_dataset, eval_dataset
 
 

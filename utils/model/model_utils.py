@@ -33,6 +33,9 @@ def resolve_model_name_or_path(name_or_path: str) -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UserInputError(f"model folder {path} has no config.json: not a Hugging Face model folder")
         return path
+    if os.path.exists(path):
+        raise UserInputError(f"model {name_or_path!r}: is a file, not a model folder (give the folder that holds "
+                             "config.json and the weights)")
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1  # hub ids: "gpt2", "org/name"
     if looks_local:
         raise UserInputError(f"model {name_or_path!r}: no such folder (and not a hub name like "
