@@ -381,6 +381,7 @@ def fmt_time(seconds: float) -> str:
 
 
 INTERRUPTED = 130  # the exit status of a step stopped by Ctrl-C (utils.utils.run_main)
+OUT_OF_MEMORY = 4  # ... of a step that ran out of GPU memory (utils.utils.OUT_OF_MEMORY)
 OOM_SIGNS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cannot allocate memory")
 
 
@@ -405,7 +406,7 @@ def failure_message(launch: Launch, rc: int) -> str:
         lines.append("  the step refused its input: see its error line above")
     elif rc == 3:
         lines.append("  training diverged (a non-finite loss or reward): see its error line above")
-    elif looks_out_of_memory(launch, rc):
+    elif rc == OUT_OF_MEMORY or looks_out_of_memory(launch, rc):
         lines += ["  it ran out of memory; try:", *REMEDIES]
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ import tempfile
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from utils.errors import UserInputError
@@ -460,3 +461,20 @@ def test_empty_dataset_name_and_empty_data_path():
         get_raw_dataset("  ", "/unused", 1234, -1)
     with pytest.raises(UserInputError, match="--data_path: give at least one dataset"):
         create_prompt_dataset(-1, [], "2,4,4", "/unused", 1, 1234, None, 64)
+
+
+def test_gpu_out_of_memory_is_one_line_with_the_remedies(capsys):
+    # a model too large for the GPU ends in torch.OutOfMemoryError (at load, initialize or the first step)
+    from utils.utils import OUT_OF_MEMORY, run_main
+
+    def main(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                     "capacity of 79.19 GiB of which 3.12 GiB is free.")
+
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, None)
+    assert stop.value.code == OUT_OF_MEMORY == 4
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: out of GPU memory (CUDA out of memory)")
+    for remedy in ("--per_device_", "ZeRO stage", "--offload", "--gradient_checkpointing", "--only_optimize_lora"):
+        assert remedy in err

@@ -161,9 +161,23 @@ def interrupt_message() -> str:
             "so a rerun starts afresh")
 
 
+OUT_OF_MEMORY = 4  # the exit status of a step that ran out of accelerator memory
+OOM_REMEDY = ("lower --per_device_*_batch_size (step 3: --per_device_generation_batch_size / "
+              "--per_device_training_batch_size) or --max_seq_len, raise the ZeRO stage (3 partitions the "
+              "weights), add --offload (ZeRO 1-3), --gradient_checkpointing, or LoRA with --only_optimize_lora")
+
+
+def out_of_memory_message(e: BaseException) -> str:
+    """One line for a GPU out-of-memory error: PyTorch's first sentence and the remedies."""
+    text = " ".join(str(e).split())
+    first = text.split(". ")[0] if text else "out of memory"
+    return f"out of GPU memory ({first[:160]}); {OOM_REMEDY}"
+
+
 def run_main(main: Callable, args) -> None:
     """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3,
-    Ctrl-C with one line saying where the run stopped and how to resume, exit code 130."""
+    running out of GPU memory with one line naming the remedies and exit code 4, Ctrl-C with one line
+    saying where the run stopped and how to resume, exit code 130."""
     import signal
 
     try:
@@ -174,6 +188,9 @@ def run_main(main: Callable, args) -> None:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except torch.OutOfMemoryError as e:
+        print(f"error: {out_of_memory_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(OUT_OF_MEMORY)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
         if get_rank() == 0:
