@@ -43,7 +43,7 @@ def test_rejected_kinds_all_present_labelled_and_deterministic():
     assert set(kinds) == set(REJECTED_KINDS)
     for kind, share in HACK_SHARES:
         assert abs(kinds[kind] / len(rows) - share) < 0.03, (kind, kinds)
-    assert kinds["fewer_good"] / len(rows) > 0.5
+    assert abs(kinds["fewer_good"] / len(rows) - (1 - sum(share for _, share in HACK_SHARES))) < 0.03
 
 
 # which rule check a rejected answer of each hacking kind fails (the chosen answers pass these)
@@ -62,9 +62,9 @@ def test_each_kind_is_what_its_label_says_and_rejected():
             assert not rule_checks(rejected, noun)[FAILED_CHECK[kind]], row
         if kind == "wrong_object":
             assert noun not in rejected.split() and not _is_broken(rejected)
-        elif kind == "repeated_word":  # the chosen answer with one slot overwritten by an earlier word
-            assert len(adjectives) == 3 and len(set(adjectives)) == 2 and set(adjectives) < set(chosen_adjectives)
-            assert sum(a != c for a, c in zip(adjectives, chosen_adjectives)) == 1
+        elif kind == "repeated_word":  # the chosen answer with later slots overwritten by an earlier word
+            assert len(adjectives) == 3 and len(set(adjectives)) < 3 and set(adjectives) < set(chosen_adjectives)
+            assert adjectives[0] == chosen_adjectives[0] and 1 <= sum(map(str.__ne__, adjectives, chosen_adjectives))
         elif kind == "long_list":  # the chosen answer, then more good words
             assert rejected.startswith(row["chosen"][:-1]) and adjectives[:3] == chosen_adjectives
             assert len(adjectives) > 3 and all(w in GOOD for w in adjectives[3:])

@@ -16,11 +16,12 @@ answer has strictly higher quality than the rejected one.
 
 ``kind`` says how the rejected answer is worse (:data:`REJECTED_KINDS`):
 
-* ``fewer_good``     the right template with fewer good words (the common case);
-* ``wrong_object``   the right template about another object (15%; half of them with
+* ``fewer_good``     the right template with fewer good words (40%; half of them are the
+                     chosen answer with good words swapped for bad ones);
+* ``wrong_object``   the right template about another object (20%; three in four with
                      the chosen answer's adjectives);
-* ``repeated_word``  the chosen answer with a slot overwritten by an earlier (good) word:
-                     "clear and gentle and gentle" (15%);
+* ``repeated_word``  the chosen answer with one or both later slots overwritten by an earlier
+                     (good) word: "clear and gentle and gentle", "safe and safe and safe" (25%);
 * ``long_list``      the chosen answer plus more good words, in the list or after the full stop (10%);
 * ``short_list``     only one or two good words (5%).
 
@@ -63,7 +64,7 @@ SIZES = {"builtin/preference": (4000, 400), "builtin/preference-small": (400, 80
 BUILTIN_DATASETS = tuple(SIZES)
 N_ADJECTIVES = 3
 # How a rejected answer is worse, with its share of the rows (the rest are "fewer_good").
-HACK_SHARES = (("wrong_object", 0.15), ("repeated_word", 0.15), ("long_list", 0.10), ("short_list", 0.05))
+HACK_SHARES = (("wrong_object", 0.20), ("repeated_word", 0.25), ("long_list", 0.10), ("short_list", 0.05))
 REJECTED_KINDS = ("fewer_good",) + tuple(kind for kind, _ in HACK_SHARES)
 
 
@@ -87,10 +88,22 @@ def _long_list(rng: random.Random, noun: str, words: List[str]) -> str:
 
 
 def _repeated_word(rng: random.Random, words: List[str]) -> List[str]:
-    """The chosen words with one slot overwritten by an earlier word (a good one when there is one)."""
-    slot = rng.randint(1, N_ADJECTIVES - 1)
-    earlier = [w for w in words[:slot] if w in GOOD] or words[:slot]
-    return words[:slot] + [rng.choice(earlier)] + words[slot + 1:]
+    """The chosen words with one slot (two in three rows) or both later slots overwritten by an earlier word.
+
+    The copied word is a good one when the chosen answer has one before the slot.
+    """
+    slots = rng.choice(((1,), (2,), (1, 2)))
+    earlier = [w for w in words[:slots[0]] if w in GOOD] or words[:slots[0]]
+    copy = rng.choice(earlier)
+    return [copy if i in slots else w for i, w in enumerate(words)]
+
+
+def _fewer_good(rng: random.Random, words: List[str]) -> List[str]:
+    """The chosen words with one or more good ones replaced by bad ones (in place)."""
+    good_slots = [i for i, w in enumerate(words) if w in GOOD]
+    swap = set(rng.sample(good_slots, rng.randint(1, len(good_slots))))
+    bad = iter(rng.sample([w for w in BAD if w not in words], len(swap)))
+    return [next(bad) if i in swap else w for i, w in enumerate(words)]
 
 
 def _rejected(rng: random.Random, kind: str, noun: str, words: List[str]) -> str:
@@ -102,7 +115,7 @@ def _rejected(rng: random.Random, kind: str, noun: str, words: List[str]) -> str
     good_chosen = sum(w in GOOD for w in words)
     if kind == "wrong_object":  # the reward must also check the object
         other = rng.choice([n for n in NOUNS if n != noun])
-        if rng.random() < 0.5:
+        if rng.random() < 0.75:
             return _sentence(other, words)
         return _sentence(other, _words(rng, rng.randint(0, min(N_ADJECTIVES, good_chosen + 1))))
     if kind == "repeated_word":
@@ -111,6 +124,8 @@ def _rejected(rng: random.Random, kind: str, noun: str, words: List[str]) -> str
         return _long_list(rng, noun, words)
     if kind == "short_list":
         return _sentence(noun, rng.sample(GOOD, rng.randint(1, N_ADJECTIVES - 1)))
+    if rng.random() < 0.5:
+        return _sentence(noun, _fewer_good(rng, words))
     return _sentence(noun, _words(rng, rng.randint(0, good_chosen - 1)))
 
 
