@@ -394,6 +394,35 @@ def chat_once(actor_dir: str, question: str) -> None:
         print(proc.stdout.strip(), flush=True)
 
 
+def builtin_dataset(args) -> str | None:
+    """The built-in dataset (``--data_path builtin/...``) the run's steps train on, or None."""
+    for n in args.step:
+        flags = extra_flags(args, n)
+        for i, flag in enumerate(flags):
+            if flag == "--data_path":
+                for value in flags[i + 1:]:
+                    if value.startswith("--"):
+                        break
+                    if value.startswith("builtin/"):
+                        return value
+    return None
+
+
+def heldout_check(folders: dict, dataset: str) -> dict | None:
+    """Rule scores of the step-1/step-3 actors' answers and the RM's accuracy per kind (:mod:`utils.heldout`).
+
+    A failure is a warning: the steps' results stand without it.
+    """
+    from utils.heldout import heldout_check as check
+
+    print(f"---=== Held-out check on {dataset} (no reward model for the actors' answers) ===---", flush=True)
+    try:
+        return check({1: folders[1], 3: step3_actor_dir(folders[3])}, folders[2], dataset)
+    except Exception as e:  # noqa: BLE001 - report and go on to the summary
+        print(f"warning: the held-out check failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return None
+
+
 def main(args) -> int:
     gpus = gpu_count()
     plan = make_plan(args, gpus)
@@ -416,7 +445,9 @@ def main(args) -> int:
     total = time.time() - start
     print(f"---=== Finished Steps {args.step} in {fmt_time(total)} ===---", flush=True)
     folders = {n: step_output_dir(args, n) for n in STEPS}
-    print(write_summary(args.output_dir, folders, times), flush=True)
+    dataset = builtin_dataset(args)
+    heldout = heldout_check(folders, dataset) if dataset else None
+    print(write_summary(args.output_dir, folders, times, heldout), flush=True)
     actor = step3_actor_dir(folders[3]) if 3 in args.step else folders[1]
     if args.demo and has_model(actor):
         chat_once(actor, DEMO_QUESTION)
