@@ -69,6 +69,11 @@ DEMO_ARGS = {
        "--actor_dropout 0.0 --critic_dropout 0.0 --num_warmup_steps 0 --lr_scheduler_type constant --enable_ema",
 }
 DEMO_QUESTION = "Describe the lamp."
+# The demo's actor and reward model (unless --actor-model / --reward-model say otherwise): with its
+# rotary positions, tiny-llama's reward model learns within the demo's budget to check the object and
+# spot a repeated word (tiny-opt's stays near chance on repeats), so PPO cannot win by repeating words.
+DEMO_MODEL = "tiny-llama"
+DEFAULT_MODEL = "tiny-opt"
 # The demo's ~1 M-parameter model runs ~3x faster with one thread per process than with two.
 DEMO_CPU_THREADS = "1"
 
@@ -126,11 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                "  python train.py --step 1 2 --step1-args \"--max_steps 3\" --step2-args \"--max_steps 3\"")
     p.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
                    help="Which steps to run (any subset, run in order).")
-    p.add_argument("--actor-model", default="tiny-opt",
+    p.add_argument("--actor-model", default=None,
                    help="Actor (steps 1, 3): an OPT size (1.3b, 6.7b, 13b, 66b -> facebook/opt-*), any hub name, "
-                        "a local HF folder, or a built-in name (tiny-opt, tiny-llama, small-opt).")
-    p.add_argument("--reward-model", default="tiny-opt",
-                   help="Reward model (step 2, critic in step 3): 350m or the same forms as --actor-model.")
+                        "a local HF folder, or a built-in name (tiny-opt, tiny-llama, small-opt). "
+                        f"Default: {DEFAULT_MODEL} ({DEMO_MODEL} with --demo).")
+    p.add_argument("--reward-model", default=None,
+                   help="Reward model (step 2, critic in step 3): 350m or the same forms as --actor-model. "
+                        f"Default: {DEFAULT_MODEL} ({DEMO_MODEL} with --demo).")
     p.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage of the actor (steps 1, 3); default: the step's (or script's) own.")
     p.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
@@ -157,6 +164,8 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
+    args.actor_model = args.actor_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
+    args.reward_model = args.reward_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
     args.actor = parse_model(args.actor_model)
     args.reward = parse_model(args.reward_model)
     return args

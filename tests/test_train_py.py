@@ -165,6 +165,13 @@ def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
     assert "held-out check without the reward model" in res.stdout
 
 
+def test_demo_defaults_to_tiny_llama_and_a_users_model_wins():
+    assert (train.parse_args([]).actor.label, train.parse_args([]).reward.label) == ("tiny-opt", "tiny-opt")
+    demo = train.parse_args(["--demo"])
+    assert (demo.actor.label, demo.reward.label) == ("tiny-llama", "tiny-llama")
+    assert train.parse_args(["--demo", "--reward-model", "tiny-opt"]).reward.label == "tiny-opt"
+
+
 def test_held_out_check_runs_only_on_builtin_data():
     assert train.builtin_dataset(train.parse_args(["--demo"])) == "builtin/preference"
     assert train.builtin_dataset(train.parse_args([])) is None
