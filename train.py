@@ -61,17 +61,22 @@ DEMO_ARGS = {
     # about (with 4 epochs at 1e-3 it answers about a random object: copying is learnt late)
     1: "--data_path builtin/preference --per_device_train_batch_size 16 --max_seq_len 64 "
        "--learning_rate 2e-3 --num_train_epochs 8 --dropout 0.0",
+    # starts from the step-1 actor (reward_from_actor): 4 epochs reach >= 0.9 held-out accuracy on every
+    # rejected kind, the repeated-word and wrong-object answers PPO would otherwise learn included
     2: "--data_path builtin/preference --per_device_train_batch_size 16 "
-       "--max_seq_len 64 --learning_rate 1e-3 --dropout 0.0 --num_train_epochs 2 --eval_interval 50",
+       "--max_seq_len 64 --learning_rate 1e-3 --dropout 0.0 --num_train_epochs 4 --eval_interval 100",
+    # sampled answers (greedy PPO only sees the answers it already gives), actor lr 1e-4 and rewards clipped
+    # at ±10 (the reward model's scores reach ~15; at ±5 a good answer and a repeat both hit the clip)
     3: "--data_path builtin/preference --max_prompt_seq_len 32 "
        "--max_answer_seq_len 24 --do_sample --max_steps 80 --per_device_generation_batch_size 16 "
-       "--per_device_training_batch_size 16 --actor_learning_rate 2e-4 --critic_learning_rate 1e-3 "
+       "--per_device_training_batch_size 16 --actor_learning_rate 1e-4 --critic_learning_rate 1e-3 "
+       "--kl_ctl 0.1 --clip_reward_value 10 "
        "--actor_dropout 0.0 --critic_dropout 0.0 --num_warmup_steps 0 --lr_scheduler_type constant --enable_ema",
 }
 DEMO_QUESTION = "Describe the lamp."
-# The demo's actor and reward model (unless --actor-model / --reward-model say otherwise): with its
-# rotary positions, tiny-llama's reward model learns within the demo's budget to check the object and
-# spot a repeated word (tiny-opt's stays near chance on repeats), so PPO cannot win by repeating words.
+# The demo's actor and reward model (unless --actor-model / --reward-model say otherwise): trained from
+# scratch for the same steps, tiny-llama's reward model (rotary positions) learnt to spot a repeated
+# word where tiny-opt's stayed near chance; a reward model that misses repeats is what PPO games.
 DEMO_MODEL = "tiny-llama"
 DEFAULT_MODEL = "tiny-opt"
 # The demo's ~1 M-parameter model runs ~3x faster with one thread per process than with two.
@@ -227,13 +232,24 @@ def launcher_prefix(args, gpus: int) -> tuple[list, str]:
     return [deepspeed_launcher(), "--num_gpus", str(n), "--master_port", str(_free_port())], f"{n} GPU(s)"
 
 
+def reward_from_actor(args) -> bool:
+    """Whether step 2 starts from the step-1 actor instead of the bare model (``--demo`` with one model for both).
+
+    As in InstructGPT (the reward model is the SFT model with a value head): the tiny models start
+    random, and the SFT actor already knows the answer template and which object was asked about, so
+    the reward model learns the object and repeat checks in a few epochs instead of dozens.
+    """
+    return args.demo and args.reward_model == args.actor_model
+
+
 def step_flags(args, n: int) -> list:
     """The flags train.py itself gives step ``n`` (models, output, ZeRO stages, padding)."""
     out = step_output_dir(args, n)
     flags = ["--data_output_path", os.path.join(args.output_dir, "data_files"), "--output_dir", out]
     if n in (1, 2):
         model, zero = (args.actor, args.actor_zero_stage) if n == 1 else (args.reward, args.reward_zero_stage)
-        flags += ["--model_name_or_path", model.name_or_path]
+        start = step_output_dir(args, 1) if n == 2 and reward_from_actor(args) else model.name_or_path
+        flags += ["--model_name_or_path", start]
         if zero is not None:
             flags += ["--zero_stage", str(zero)]
     else:
@@ -267,6 +283,8 @@ def plan_step(args, n: int, gpus: int) -> Launch:
     step = STEPS[n]
     out = step_output_dir(args, n)
     needs = [(1, step_output_dir(args, 1)), (2, step_output_dir(args, 2))] if n == 3 else []
+    if n == 2 and reward_from_actor(args):
+        needs = [(1, step_output_dir(args, 1))]
     script = size_script(args, n, gpus)
     if script is not None:
         zero = lambda z: "" if z is None else str(z)  # noqa: E731 - the scripts take '' for "their default"
