@@ -253,12 +253,12 @@ def _bars(ax, title, groups: dict, ylabel):
         ax.bar(xs, [values.get(k, 0.0) for k in labels], width=width, label=series_label)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels([k.replace("_", " ") for k in labels], rotation=30, ha="right", fontsize=7)
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.2)  # room for the legend above the bars
     ax.set_ylabel(ylabel, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3, axis="y")
     if len(groups) > 1:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", ncol=len(groups))
 
 
 def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
@@ -268,7 +268,8 @@ def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
           "accuracy")
     groups = {}
     for key, a in sorted((heldout.get("actors") or {}).items()):
-        groups[HELDOUT_ACTORS.get(key, key)] = {"rule score": a.get("rule_score", 0.0), **a.get("checks", {})}
+        groups[HELDOUT_ACTORS.get(key, key)] = {"rule score": a.get("rule_score", 0.0), **a.get("checks", {}),
+                                                "all four": a.get("all_four", 0.0)}
     _bars(ax_rules, "Held-out rule score (no reward model)", groups, "share of answers / score")
 
 
