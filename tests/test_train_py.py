@@ -172,6 +172,15 @@ def test_demo_defaults_to_tiny_llama_and_a_users_model_wins():
     assert train.parse_args(["--demo", "--reward-model", "tiny-opt"]).reward.label == "tiny-opt"
 
 
+def test_demo_reward_model_starts_from_the_step1_actor(tmp_path):
+    plan = plan_for(["--demo", "--output-dir", str(tmp_path)])
+    actor = str(tmp_path / "actor-models" / "tiny-llama")
+    assert flag(plan[1].cmd, "--model_name_or_path") == actor and plan[1].needs == [(1, actor)]
+    assert flag(plan_for(["--output-dir", str(tmp_path)])[1].cmd, "--model_name_or_path") == "tiny-opt"
+    res = run_entry("train.py", "--demo", "--step", "2", "--output-dir", tmp_path)  # no step-1 actor yet
+    assert res.returncode == 2 and "step 2 needs the step-1 model" in res.stderr
+
+
 def test_held_out_check_runs_only_on_builtin_data():
     assert train.builtin_dataset(train.parse_args(["--demo"])) == "builtin/preference"
     assert train.builtin_dataset(train.parse_args([])) is None
