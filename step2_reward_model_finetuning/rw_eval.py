@@ -7,7 +7,8 @@
     python rw_eval.py --model_name_or_path out/reward --input_file pairs.jsonl [--output_file scores.jsonl]
 
 ``--input_file`` rows are ``{"prompt", "answer"}`` (one score) or ``{"prompt", "chosen",
-"rejected"}`` (both scored; the pair is correct when chosen scores higher). Each text is
+"rejected"}`` (both scored; the pair is correct when chosen scores higher; rows with a
+``"kind"``, as the built-in data's, also get the accuracy per kind). Each text is
 scored as ``prompt + answer + --eot_token`` with ``forward_value``'s end score (the value
 at the last answer token, :mod:`utils.model.reward_model`). Write prompts in the format
 the model was trained on (e.g. ``" Human: … Assistant:"``, answers starting with a space).
@@ -73,7 +74,7 @@ def read_rows(path: str) -> list:
                 if not isinstance(row.get(field), str):
                     raise UserInputError(f"--input_file {path} line {line_no}: field {field!r} missing or not text "
                                          f"(rows need prompt+answer or prompt+chosen+rejected)")
-            rows.append({k: row[k] for k in fields})
+            rows.append({k: row[k] for k in fields + (("kind",) if "kind" in row else ())})
     if not rows:
         raise UserInputError(f"--input_file {path}: no rows")
     return rows
@@ -96,6 +97,17 @@ def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size:
                                       prompt_length=prompt_lengths.to(device))
         scores.extend(out["chosen_end_scores"].float().tolist())
     return scores
+
+
+def accuracy_by_kind(kinds: list, chosen_scores: list, rejected_scores: list) -> dict:
+    """``{"overall": acc, kind: acc, ...}``: share of pairs with chosen > rejected, overall and per kind."""
+    groups = {"overall": []}
+    for kind, c, r in zip(kinds, chosen_scores, rejected_scores):
+        correct = c > r
+        groups["overall"].append(correct)
+        if kind is not None:
+            groups.setdefault(kind, []).append(correct)
+    return {kind: sum(v) / len(v) for kind, v in groups.items() if v}
 
 
 def _short(text: str, n: int = 60) -> str:
@@ -134,6 +146,11 @@ def main(args):
         results.append(out)
     if compared:
         print(f"accuracy (chosen > rejected): {correct}/{compared} = {correct / compared:.4f}")
+        pairs_out = [r for r in results if "chosen_score" in r]
+        if any("kind" in r for r in pairs_out):
+            by_kind = accuracy_by_kind([r.get("kind") for r in pairs_out], [r["chosen_score"] for r in pairs_out],
+                                       [r["rejected_score"] for r in pairs_out])
+            print("accuracy per kind: " + ", ".join(f"{k} {v:.4f}" for k, v in by_kind.items() if k != "overall"))
     if args.output_file:
         with open(args.output_file, "w") as f:
             for out in results:

@@ -1,15 +1,21 @@
-"""The built-in preference data: deterministic, and chosen is always strictly better."""
+"""The built-in preference data: deterministic, chosen always strictly better, rejected kinds labelled."""
 import re
+from collections import Counter
 
-from utils.data.builtin import generate, load_builtin, quality
+from utils.data.builtin import GOOD, HACK_SHARES, REJECTED_KINDS, generate, load_builtin, quality
+from utils.data.rule_score import rule_checks
 
 
 def _noun(prompt):
     return re.search(r"the (\w+)[.?] Assistant:$", prompt).group(1)
 
 
+def _adjectives(answer):
+    return re.findall(r"\b(?:is|and) (\w+)", answer)
+
+
 def _is_broken(answer):
-    adjectives = re.findall(r"(?:is|and) (\w+)", answer)
+    adjectives = _adjectives(answer)
     return len(adjectives) != 3 or len(set(adjectives)) != 3 or answer.count(".") != 1
 
 
@@ -29,10 +35,40 @@ def test_chosen_strictly_better_in_every_row():
             assert quality(row["chosen"], noun) > quality(row["rejected"], noun), row
 
 
-def test_rejected_kinds_all_present_and_deterministic():
+def test_rejected_kinds_all_present_labelled_and_deterministic():
     rows = load_builtin("builtin/preference")["train"]
     assert rows == load_builtin("builtin/preference")["train"]
     assert len(rows) == 4000
-    off_topic = sum(_noun(r["prompt"]) not in r["rejected"].split() for r in rows) / len(rows)
-    broken = sum(_is_broken(r["rejected"]) for r in rows) / len(rows)
-    assert 0.12 < off_topic < 0.18 and 0.07 < broken < 0.13
+    kinds = Counter(r["kind"] for r in rows)
+    assert set(kinds) == set(REJECTED_KINDS)
+    for kind, share in HACK_SHARES:
+        assert abs(kinds[kind] / len(rows) - share) < 0.03, (kind, kinds)
+    assert abs(kinds["fewer_good"] / len(rows) - (1 - sum(share for _, share in HACK_SHARES))) < 0.03
+
+
+# which rule check a rejected answer of each hacking kind fails (the chosen answers pass these)
+FAILED_CHECK = {"wrong_object": "names_object", "repeated_word": "no_repeat", "long_list": "well_formed",
+                "short_list": "well_formed"}
+
+
+def test_each_kind_is_what_its_label_says_and_rejected():
+    for row in generate(2000, seed=5):
+        noun, kind, rejected = _noun(row["prompt"]), row["kind"], row["rejected"]
+        adjectives, chosen_adjectives = _adjectives(rejected), _adjectives(row["chosen"])
+        assert quality(row["chosen"], noun) > quality(rejected, noun), row  # labelled rejected: the worse one
+        chosen = rule_checks(row["chosen"], noun)
+        assert chosen["names_object"] and chosen["no_repeat"] and chosen["well_formed"], row
+        if kind in FAILED_CHECK:
+            assert not rule_checks(rejected, noun)[FAILED_CHECK[kind]], row
+        if kind == "wrong_object":
+            assert noun not in rejected.split() and not _is_broken(rejected)
+        elif kind == "repeated_word":  # the chosen answer with later slots overwritten by an earlier word
+            assert len(adjectives) == 3 and len(set(adjectives)) < 3 and set(adjectives) < set(chosen_adjectives)
+            assert adjectives[0] == chosen_adjectives[0] and 1 <= sum(map(str.__ne__, adjectives, chosen_adjectives))
+        elif kind == "long_list":  # the chosen answer, then more good words
+            assert rejected.startswith(row["chosen"][:-1]) and adjectives[:3] == chosen_adjectives
+            assert len(adjectives) > 3 and all(w in GOOD for w in adjectives[3:])
+        elif kind == "short_list":
+            assert 1 <= len(adjectives) < 3 and rejected.count(".") == 1 and all(w in GOOD for w in adjectives)
+        else:
+            assert kind == "fewer_good" and not _is_broken(rejected) and noun in rejected.split()

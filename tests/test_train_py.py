@@ -158,6 +158,34 @@ def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "1 SFT (actor)" in res.stdout and "2 reward model" in res.stdout  # the table is printed
     assert f"python chat.py --path {out / 'actor-models' / 'tiny-opt'}" in res.stdout
+    heldout = result["heldout"]  # built-in data: the held-out check of the step-1 actor and the reward model
+    assert set(heldout["actors"]) == {"1"} and heldout["actors"]["1"]["n"] == 40
+    assert 0 <= heldout["actors"]["1"]["rule_score"] <= 1 and len(heldout["actors"]["1"]["samples"]) == 3
+    assert heldout["reward_model"]["pairs"] == 80 and "repeated_word" in heldout["reward_model"]["accuracy"]
+    assert "held-out check without the reward model" in res.stdout
+
+
+def test_demo_defaults_to_tiny_llama_and_a_users_model_wins():
+    assert (train.parse_args([]).actor.label, train.parse_args([]).reward.label) == ("tiny-opt", "tiny-opt")
+    demo = train.parse_args(["--demo"])
+    assert (demo.actor.label, demo.reward.label) == ("tiny-llama", "tiny-llama")
+    assert train.parse_args(["--demo", "--reward-model", "tiny-opt"]).reward.label == "tiny-opt"
+
+
+def test_demo_reward_model_starts_from_the_step1_actor(tmp_path):
+    plan = plan_for(["--demo", "--output-dir", str(tmp_path)])
+    actor = str(tmp_path / "actor-models" / "tiny-llama")
+    assert flag(plan[1].cmd, "--model_name_or_path") == actor and plan[1].needs == [(1, actor)]
+    assert flag(plan_for(["--output-dir", str(tmp_path)])[1].cmd, "--model_name_or_path") == "tiny-opt"
+    res = run_entry("train.py", "--demo", "--step", "2", "--output-dir", tmp_path)  # no step-1 actor yet
+    assert res.returncode == 2 and "step 2 needs the step-1 model" in res.stderr
+
+
+def test_held_out_check_runs_only_on_builtin_data():
+    assert train.builtin_dataset(train.parse_args(["--demo"])) == "builtin/preference"
+    assert train.builtin_dataset(train.parse_args([])) is None
+    args = train.parse_args(["--step", "2", "--step2-args", "--data_path local/jsonfile builtin/preference-small"])
+    assert train.builtin_dataset(args) == "builtin/preference-small"
 
 
 # --------------------------------------------------------------------------- summary (utils/summary.py)
@@ -196,6 +224,31 @@ def test_summary_condenses_metrics_and_tolerates_missing_keys(tmp_path):
     assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["1"]["wall_time_s"] == 61.0
     assert "summary.json" in text
+
+
+HELDOUT = {"prompts": 40, "max_new_tokens": 32,
+           "actors": {"1": {"rule_score": 0.5, "all_four": 0.25, "mean_words": 9.5, "n": 40,
+                            "checks": {"names_object": 0.5, "only_good": 0.25, "no_repeat": 0.75, "well_formed": 0.5},
+                            "samples": [{"prompt": "Human: Describe the lamp. Assistant:",
+                                         "answer": "The lamp is dull and kind and kind."}]},
+                      "3": {"rule_score": 1.0, "all_four": 1.0, "mean_words": 8.0, "n": 40,
+                            "checks": {"names_object": 1.0, "only_good": 1.0, "no_repeat": 1.0, "well_formed": 1.0},
+                            "samples": [{"prompt": "Human: Describe the lamp. Assistant:",
+                                         "answer": "The lamp is bright and kind and calm."}]}},
+           "reward_model": {"pairs": 400, "accuracy": {"overall": 0.95, "fewer_good": 0.98, "repeated_word": 0.9}}}
+
+
+def test_summary_shows_the_held_out_check(tmp_path):
+    folders = {n: str(tmp_path / f"missing{n}") for n in (1, 2, 3)}
+    text = summary.write_summary(str(tmp_path / "out"), folders, {}, HELDOUT)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["heldout"] == HELDOUT
+    lines = text.splitlines()
+    assert any(line.split()[:6] == ["1", "SFT", "actor", "0.500", "0.500", "0.250"] for line in lines), text
+    assert any(line.split()[:4] == ["3", "PPO", "actor", "1.000"] and line.split()[-1] == "8.0" for line in lines)
+    assert "3 PPO actor: Human: Describe the lamp. Assistant: The lamp is bright and kind and calm." in text
+    assert "accuracy 0.950 (per rejected kind: fewer_good 0.980, repeated_word 0.900)" in text
+    assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
+    assert "held-out" not in summary.write_summary(str(tmp_path / "out2"), folders, {})  # no check, no block
 
 
 def test_summary_of_empty_folders_still_draws(tmp_path):

@@ -8,6 +8,11 @@ values), condenses them per step and draws the curves with matplotlib (Agg).
 * step 1 (SFT): eval ``perplexity`` / ``loss``, train ``loss``
 * step 2 (reward model): eval ``acc`` (+ chosen / rejected mean scores), train ``loss``
 * step 3 (PPO): train ``reward``, ``kl``, ``actor_loss``, ``critic_loss``
+
+A run on built-in data also has a held-out check (:mod:`utils.heldout`): rule scores
+of the step-1 and step-3 actors' greedy answers and the reward model's accuracy per
+rejected kind. It goes under ``"heldout"`` in ``summary.json``, below the table and
+into the curves' last column.
 """
 from __future__ import annotations
 
@@ -163,6 +168,43 @@ def format_table(summary: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c}".rstrip() for a, b, c in rows]
     lines.insert(1, "-" * max(len(line) for line in lines))
+    if summary.get("heldout"):
+        lines += ["", format_heldout(summary["heldout"])]
+    return "\n".join(lines)
+
+
+HELDOUT_ACTORS = {"1": "1 SFT actor", "3": "3 PPO actor"}
+CHECK_NAMES = {"names_object": "names object", "only_good": "only good", "no_repeat": "no repeat",
+               "well_formed": "well formed"}
+
+
+def format_heldout(heldout: dict) -> str:
+    """The held-out check as text: one line per actor, then the reward model's accuracy per rejected kind."""
+    lines = []
+    actors = heldout.get("actors") or {}
+    if actors:
+        lines.append(f"held-out check without the reward model ({heldout.get('prompts')} built-in eval prompts, "
+                     "greedy answers; rule score = share of the checks passed):")
+        head = ["actor", "rule score", *CHECK_NAMES.values(), "all four", "mean words"]
+        table = [head]
+        for key, a in sorted(actors.items()):
+            checks = a.get("checks", {})
+            table.append([HELDOUT_ACTORS.get(key, key), _f(a.get("rule_score")),
+                          *(_f(checks.get(name)) for name in CHECK_NAMES), _f(a.get("all_four")),
+                          _f(a.get("mean_words"), 1)])
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                  for r in table]
+        for key, a in sorted(actors.items()):
+            if a.get("samples"):
+                sample = a["samples"][0]
+                lines.append(f"  {HELDOUT_ACTORS.get(key, key)}: {sample['prompt']} {sample['answer']}")
+    rm = heldout.get("reward_model")
+    if rm:
+        acc = rm.get("accuracy", {})
+        kinds = ", ".join(f"{k} {_f(v)}" for k, v in acc.items() if k != "overall")
+        lines.append(f"reward model on {rm.get('pairs')} held-out pairs: accuracy {_f(acc.get('overall'))} "
+                     f"(per rejected kind: {kinds})")
     return "\n".join(lines)
 
 
@@ -207,8 +249,43 @@ def _smooth(ys: list, k: int = 5) -> list:
     return [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
 
 
-def plot_curves(folders: dict, png_path: str) -> str:
-    """Draw the 2×3 grid of training curves to ``png_path``; returns the path."""
+def _bars(ax, title, groups: dict, ylabel):
+    """``groups``: {series label: {bar label: value}}, drawn side by side; an empty panel says so."""
+    ax.set_title(title, fontsize=10)
+    labels = list(dict.fromkeys(k for values in groups.values() for k in values))
+    if not labels:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    width = 0.8 / len(groups)
+    for i, (series_label, values) in enumerate(groups.items()):
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [values.get(k, 0.0) for k in labels], width=width, label=series_label)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([k.replace("_", " ") for k in labels], rotation=30, ha="right", fontsize=7)
+    ax.set_ylim(0, 1.2)  # room for the legend above the bars
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    if len(groups) > 1:
+        ax.legend(fontsize=7, loc="upper center", ncol=len(groups))
+
+
+def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
+    heldout = heldout or {}
+    accuracy = (heldout.get("reward_model") or {}).get("accuracy", {})
+    _bars(ax_rm, "Step 2: held-out accuracy per rejected kind", {"accuracy": accuracy} if accuracy else {},
+          "accuracy")
+    groups = {}
+    for key, a in sorted((heldout.get("actors") or {}).items()):
+        groups[HELDOUT_ACTORS.get(key, key)] = {"rule score": a.get("rule_score", 0.0), **a.get("checks", {}),
+                                                "all four": a.get("all_four", 0.0)}
+    _bars(ax_rules, "Held-out rule score (no reward model)", groups, "share of answers / score")
+
+
+def plot_curves(folders: dict, png_path: str, heldout: dict | None = None) -> str:
+    """Draw the 2×4 grid of training curves (last column: the held-out check) to ``png_path``; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -216,7 +293,7 @@ def plot_curves(folders: dict, png_path: str) -> str:
 
     rows = {n: read_metrics(os.path.join(folder, "metrics.jsonl")) for n, folder in folders.items()}
     r1, r2, r3 = rows.get(1, []), rows.get(2, []), rows.get(3, [])
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7))
     _panel(axes[0, 0], "Step 1: SFT loss", [("train", *series(r1, "train", "loss")),
                                             ("eval", *series(r1, "eval", "loss"))], "loss")
     _panel(axes[0, 1], "Step 1: eval perplexity", [("eval", *series(r1, "eval", "perplexity"))], "perplexity",
@@ -228,6 +305,7 @@ def plot_curves(folders: dict, png_path: str) -> str:
     xs, ys = series(r3, "train", "reward")
     _panel(axes[1, 1], "Step 3: reward", [("reward", xs, ys), ("moving average (5)", xs, _smooth(ys))], "reward")
     _panel(axes[1, 2], "Step 3: KL(actor || reference)", [("KL", *series(r3, "train", "kl"))], "KL")
+    _heldout_panels(axes[0, 3], axes[1, 3], heldout)
     fig.suptitle("RLHF training curves", fontsize=12)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
@@ -236,14 +314,19 @@ def plot_curves(folders: dict, png_path: str) -> str:
     return png_path
 
 
-def write_summary(output_dir: str, folders: dict, times: dict) -> str:
-    """Write ``summary.json`` and ``training_curves.png`` under ``output_dir``; returns the printed text."""
+def write_summary(output_dir: str, folders: dict, times: dict, heldout: dict | None = None) -> str:
+    """Write ``summary.json`` and ``training_curves.png`` under ``output_dir``; returns the printed text.
+
+    ``heldout``: the held-out check (:func:`utils.heldout.heldout_check`), if one was made.
+    """
     summary = build_summary(folders, times)
+    if heldout:
+        summary["heldout"] = heldout
     json_path = os.path.join(output_dir, "summary.json")
     png_path = os.path.join(output_dir, "training_curves.png")
     summary["curves_png"] = png_path
     os.makedirs(output_dir, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(summary, f, indent=2)
-    plot_curves(folders, png_path)
+    plot_curves(folders, png_path, heldout)
     return f"{format_table(summary)}\n\nsummary: {json_path}\ncurves:  {png_path}"

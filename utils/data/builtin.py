@@ -5,18 +5,35 @@
     prompt   " Human: Describe the lamp. Assistant:"
     chosen   " The lamp is bright and kind and calm."
     rejected " The lamp is dull and bright and rude."
+    kind     "fewer_good"
 
-Every answer names the prompt's object and lists three different adjectives,
-each drawn from a GOOD or a BAD word list. An answer's quality is its number of
-good words, with penalties for talking about the wrong object (15% of the
-rejected answers) and for a broken answer — too many words or text after the full
-stop (another 10%: these stop PPO from "hacking" the reward by piling up good words). In every pair the chosen answer has strictly higher
-quality than the rejected one. So:
+A well-formed answer names the prompt's object and lists three different
+adjectives, each drawn from a GOOD or a BAD word list. An answer's quality
+(:func:`quality`) is its number of good words, with penalties for talking about
+the wrong object and for a broken answer (a repeated adjective, more or fewer
+than three adjectives, text after the full stop). In every pair the chosen
+answer has strictly higher quality than the rejected one.
+
+``kind`` says how the rejected answer is worse (:data:`REJECTED_KINDS`):
+
+* ``fewer_good``     the right template with fewer good words (40%; half of them are the
+                     chosen answer with good words swapped for bad ones);
+* ``wrong_object``   the right template about another object (20%; three in four with
+                     the chosen answer's adjectives);
+* ``repeated_word``  the chosen answer with one or both later slots overwritten by an earlier
+                     (good) word: "clear and gentle and gentle", "safe and safe and safe" (25%);
+* ``long_list``      the chosen answer plus more good words, in the list or after the full stop (10%);
+* ``short_list``     only one or two good words (5%).
+
+The last four are the ways a policy can game a reward model that only counts good
+words; showing them to the reward model as rejected answers keeps PPO honest.
+So:
 
 * step 1 learns the answer template (chosen answers are good on average, not
   always perfect: the number of good words varies);
-* step 2 can learn the preference exactly (count good words, check the object),
-  so held-out accuracy near 1 is reachable by a tiny model;
+* step 2 can learn the preference exactly (count good words, check the object,
+  the list's length and repeats), so held-out accuracy above 0.9 is reachable by
+  a tiny model, on every kind;
 * step 3 has room to improve: sampling from the SFT policy gives answers of mixed
   quality, and PPO can push it towards all-good answers that score higher.
 
@@ -28,7 +45,7 @@ from __future__ import annotations
 import random
 from typing import Dict, List
 
-VERSION = 3  # bump when the generator changes: it is part of every cache key
+VERSION = 4  # bump when the generator changes: it is part of every cache key
 
 NOUNS = (
     "lamp", "river", "garden", "city", "song", "book", "window", "forest", "teacher", "robot",
@@ -46,22 +63,79 @@ TEMPLATES = (
 SIZES = {"builtin/preference": (4000, 400), "builtin/preference-small": (400, 80)}
 BUILTIN_DATASETS = tuple(SIZES)
 N_ADJECTIVES = 3
+# How a rejected answer is worse, with its share of the rows (the rest are "fewer_good").
+HACK_SHARES = (("wrong_object", 0.20), ("repeated_word", 0.25), ("long_list", 0.10), ("short_list", 0.05))
+REJECTED_KINDS = ("fewer_good",) + tuple(kind for kind, _ in HACK_SHARES)
 
 
-def _answer(rng: random.Random, noun: str, n_good: int) -> str:
-    words = rng.sample(GOOD, n_good) + rng.sample(BAD, N_ADJECTIVES - n_good)  # no word twice
+def _words(rng: random.Random, n_good: int) -> List[str]:
+    """Three different adjectives, ``n_good`` of them good, in random order."""
+    words = rng.sample(GOOD, n_good) + rng.sample(BAD, N_ADJECTIVES - n_good)
     rng.shuffle(words)
+    return words
+
+
+def _sentence(noun: str, words: List[str]) -> str:
     return f" The {noun} is " + " and ".join(words) + "."
 
 
-def _malformed(rng: random.Random, noun: str) -> str:
-    """All-good words but a broken answer: too many words, or rambling on past the full stop."""
-    words = rng.sample(GOOD, N_ADJECTIVES)
+def _long_list(rng: random.Random, noun: str, words: List[str]) -> str:
+    """The chosen words plus more good ones: a longer list, or rambling on past the full stop."""
+    extra = rng.sample([w for w in GOOD if w not in words], rng.randint(1, 3))
     if rng.random() < 0.5:
-        words += rng.sample([w for w in GOOD if w not in words], rng.randint(1, 3))
-        return f" The {noun} is " + " and ".join(words) + "."
-    return f" The {noun} is " + " and ".join(words) + "." + "".join(
-        f" and {w}." for w in rng.sample(GOOD, rng.randint(1, 3)))
+        return _sentence(noun, words + extra)
+    return _sentence(noun, words) + "".join(f" and {w}." for w in extra)
+
+
+def _repeated_word(rng: random.Random, words: List[str]) -> List[str]:
+    """The chosen words with one slot (two in three rows) or both later slots overwritten by an earlier word.
+
+    The copied word is a good one when the chosen answer has one before the slot.
+    """
+    slots = rng.choice(((1,), (2,), (1, 2)))
+    earlier = [w for w in words[:slots[0]] if w in GOOD] or words[:slots[0]]
+    copy = rng.choice(earlier)
+    return [copy if i in slots else w for i, w in enumerate(words)]
+
+
+def _fewer_good(rng: random.Random, words: List[str]) -> List[str]:
+    """The chosen words with one or more good ones replaced by bad ones (in place)."""
+    good_slots = [i for i, w in enumerate(words) if w in GOOD]
+    swap = set(rng.sample(good_slots, rng.randint(1, len(good_slots))))
+    bad = iter(rng.sample([w for w in BAD if w not in words], len(swap)))
+    return [next(bad) if i in swap else w for i, w in enumerate(words)]
+
+
+def _rejected(rng: random.Random, kind: str, noun: str, words: List[str]) -> str:
+    """A rejected answer of ``kind`` (see the module docstring) for a chosen answer listing ``words``.
+
+    The hacking kinds are mostly small edits of the chosen answer, so that the pair differs
+    just where the hack is (the reward model's pairwise loss compares the two from there on).
+    """
+    good_chosen = sum(w in GOOD for w in words)
+    if kind == "wrong_object":  # the reward must also check the object
+        other = rng.choice([n for n in NOUNS if n != noun])
+        if rng.random() < 0.75:
+            return _sentence(other, words)
+        return _sentence(other, _words(rng, rng.randint(0, min(N_ADJECTIVES, good_chosen + 1))))
+    if kind == "repeated_word":
+        return _sentence(noun, _repeated_word(rng, words))
+    if kind == "long_list":
+        return _long_list(rng, noun, words)
+    if kind == "short_list":
+        return _sentence(noun, rng.sample(GOOD, rng.randint(1, N_ADJECTIVES - 1)))
+    if rng.random() < 0.5:
+        return _sentence(noun, _fewer_good(rng, words))
+    return _sentence(noun, _words(rng, rng.randint(0, good_chosen - 1)))
+
+
+def _pick_kind(rng: random.Random) -> str:
+    u, edge = rng.random(), 0.0
+    for kind, share in HACK_SHARES:
+        edge += share
+        if u < edge:
+            return kind
+    return "fewer_good"
 
 
 def quality(answer: str, noun: str) -> int:
@@ -78,21 +152,14 @@ def quality(answer: str, noun: str) -> int:
 def _row(rng: random.Random) -> Dict[str, str]:
     noun = rng.choice(NOUNS)
     prompt = " Human: " + rng.choice(TEMPLATES).format(noun=noun) + " Assistant:"
-    good_chosen = rng.randint(1, N_ADJECTIVES)
-    good_rejected = rng.randint(0, good_chosen - 1)
-    chosen = _answer(rng, noun, good_chosen)
-    kind = rng.random()
-    if kind < 0.15:  # off-topic rejected answers: the reward must also check the object
-        other = rng.choice([n for n in NOUNS if n != noun])
-        rejected = _answer(rng, other, rng.randint(0, min(N_ADJECTIVES, good_chosen + 1)))
-    elif kind < 0.25:  # broken rejected answers: repeating good words must not pay
-        rejected = _malformed(rng, noun)
-    else:
-        rejected = _answer(rng, noun, good_rejected)
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    words = _words(rng, rng.randint(1, N_ADJECTIVES))
+    kind = _pick_kind(rng)
+    return {"prompt": prompt, "chosen": _sentence(noun, words), "rejected": _rejected(rng, kind, noun, words),
+            "kind": kind}
 
 
 def generate(n_rows: int, seed: int) -> List[Dict[str, str]]:
+    """``n_rows`` rows ``{"prompt", "chosen", "rejected", "kind"}``, the same for the same seed."""
     rng = random.Random(seed)
     return [_row(rng) for _ in range(n_rows)]
 

@@ -30,7 +30,7 @@ import os
 import shutil
 import tempfile
 
-VERSION = 3  # bump when a config or the tokenizer recipe (incl. the built-in corpus) changes
+VERSION = 4  # bump when a config or the tokenizer recipe (incl. the built-in corpus) changes
 VOCAB_SIZE = 1000
 
 CONFIGS = {

@@ -1,0 +1,109 @@
+"""The held-out check of a built-in run: what the actors answer, judged without the reward model.
+
+``train.py`` calls :func:`heldout_check` after the steps when the run used built-in
+data. It takes the first distinct prompts of the built-in *eval* split, lets the
+step-1 actor and the step-3 actor answer them greedily (plain Hugging Face
+``model.generate`` on the saved folders) and scores the answers with the rules of
+:mod:`utils.data.rule_score`; it also scores every held-out pair with the step-2
+reward model to give its accuracy per rejected kind (``fewer_good``,
+``wrong_object``, ``repeated_word``, …: :mod:`utils.data.builtin`). A few dozen
+short answers on a tiny model: a few seconds on a CPU.
+
+The result (a dict, stored in ``summary.json`` under ``"heldout"``)::
+
+    {"prompts": 40, "max_new_tokens": 32,
+     "actors": {"1": {"dir", "rule_score", "checks": {...}, "all_four", "mean_words", "n", "samples"},
+                "3": {...}},
+     "reward_model": {"dir", "pairs", "accuracy": {"overall": 0.95, "repeated_word": 0.92, ...}}}
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+from utils.data import rule_score
+from utils.data.builtin import load_builtin
+
+N_PROMPTS = 40
+MAX_NEW_TOKENS = 32
+N_SAMPLES = 3
+
+
+def heldout_prompts(dataset: str = "builtin/preference", n: int = N_PROMPTS) -> List[str]:
+    """The first ``n`` distinct prompts of the built-in dataset's eval split, in order."""
+    prompts = []
+    for row in load_builtin(dataset)["eval"]:
+        if row["prompt"] not in prompts:
+            prompts.append(row["prompt"])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def greedy_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX_NEW_TOKENS) -> List[str]:
+    """Greedy answers of the causal LM in ``model_dir`` to ``prompts`` (decoded, cut at a new "Human:" turn).
+
+    Prompts of the same token length are generated as one batch (no padding, so the same as one at a time).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.model_utils import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    encoded = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+    by_length: Dict[int, List[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    answers = [""] * len(prompts)
+    for length, indices in by_length.items():
+        ids = torch.stack([encoded[i] for i in indices])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        for row, i in enumerate(indices):
+            text = tokenizer.decode(out[row, length:], skip_special_tokens=True)
+            answers[i] = text.split("Human:")[0].strip()
+    return answers
+
+
+def actor_report(model_dir: str, prompts: List[str]) -> dict:
+    """Rule-score summary of the greedy answers of the actor in ``model_dir`` (+ its first answers as samples)."""
+    answers = greedy_answers(model_dir, prompts)
+    report = {"dir": model_dir, **rule_score.summarize(prompts, answers)}
+    report["samples"] = [{"prompt": p.strip(), "answer": a} for p, a in zip(prompts[:N_SAMPLES], answers)]
+    return report
+
+
+def reward_model_report(rm_dir: str, dataset: str = "builtin/preference") -> dict:
+    """Accuracy (chosen > rejected) of the step-2 model in ``rm_dir`` on every held-out pair, overall and per kind."""
+    from step2_reward_model_finetuning.rw_eval import accuracy_by_kind, score_texts
+    from utils.model.critic import load_reward_model
+
+    rows = load_builtin(dataset)["eval"]
+    model, tokenizer = load_reward_model(rm_dir)
+    pairs = [(r["prompt"], r[side]) for r in rows for side in ("chosen", "rejected")]
+    scores = score_texts(model, tokenizer, pairs, max_seq_len=128, eot=tokenizer.eos_token, batch_size=64)
+    accuracy = accuracy_by_kind([r.get("kind") for r in rows], scores[0::2], scores[1::2])
+    return {"dir": rm_dir, "pairs": len(rows), "accuracy": accuracy}
+
+
+def _has_model(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str = "builtin/preference") -> dict:
+    """Rule scores of the actors in ``actor_dirs`` (step -> HF folder) and the reward model's accuracy per kind.
+
+    Folders without a model are skipped; the result's layout is in the module docstring.
+    """
+    prompts = heldout_prompts(dataset)
+    result = {"prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "actors": {}}
+    for step, folder in sorted(actor_dirs.items()):
+        if _has_model(folder):
+            result["actors"][str(step)] = actor_report(folder, prompts)
+    if rm_dir and _has_model(rm_dir):
+        result["reward_model"] = reward_model_report(rm_dir, dataset)
+    return result
