@@ -14,8 +14,8 @@ name            architecture                           parameters
 
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on the built-in dataset's
 text (:mod:`utils.data.builtin`), so any text encodes. ``VOCAB_SIZE`` (1000) is the
-trainer's upper bound; the small corpus yields 670 tokens (``tiny-opt``, ``small-opt``)
-and 672 with ``tiny-llama``'s own special tokens (tests/test_readme.py checks both).
+trainer's upper bound; the small corpus yields 669 tokens (``tiny-opt``, ``small-opt``)
+and 671 with ``tiny-llama``'s own special tokens (tests/test_readme.py checks both).
 ``tiny-opt`` mimics OPT: BOS = EOS = ``<|endoftext|>`` prepended to every text, no pad
 token (the loader sets pad = eos, as DeepSpeed-Chat does), so
 ``--num_padding_at_beginning 1``. ``tiny-llama`` mimics Llama: BOS ``<s>``, its
