@@ -30,28 +30,33 @@ SHAPES = {  # random-initialised models of real shapes (vocab 8192, as the GPU r
 }
 
 
+def shape_config(name: str):
+    """The config of a real shape (:data:`SHAPES`): OPT ids in facebook/opt's layout (pad 1, BOS = EOS 2)."""
+    from transformers import LlamaConfig, OPTConfig
+
+    s = SHAPES[name]
+    if s["arch"] == "opt":
+        return OPTConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                         num_attention_heads=s["heads"], ffn_dim=s["ffn"], word_embed_proj_dim=s["proj"],
+                         do_layer_norm_before=s["pre_ln"], max_position_embeddings=2048,
+                         pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return LlamaConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                       num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+                       intermediate_size=s["ffn"], max_position_embeddings=2048,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def build_model(name: str, dtype, device):
     """A causal LM: a built-in tiny model, or a random one of a real shape (:data:`SHAPES`)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+    from transformers import AutoModelForCausalLM
 
     if name not in SHAPES:
         from utils.model.tiny import resolve_model_path
 
         return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype).to(device)
-    s = SHAPES[name]
-    if s["arch"] == "opt":
-        config = OPTConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                           num_attention_heads=s["heads"], ffn_dim=s["ffn"], word_embed_proj_dim=s["proj"],
-                           do_layer_norm_before=s["pre_ln"], max_position_embeddings=2048,
-                           pad_token_id=1, bos_token_id=2, eos_token_id=2)
-    else:
-        config = LlamaConfig(vocab_size=8192, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                             num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
-                             intermediate_size=s["ffn"], max_position_embeddings=2048,
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(shape_config(name))
     return model.to(dtype)
 
 

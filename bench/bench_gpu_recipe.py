@@ -42,10 +42,6 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 HH = os.path.join(REPO, os.path.pardir, "shared", "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
 MARK = "\n\nAssistant:"
 
-ACTOR_SHAPE = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
-                   word_embed_proj_dim=2048, do_layer_norm_before=True)
-RM_SHAPE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
-                word_embed_proj_dim=512, do_layer_norm_before=False)
 
 
 # --------------------------------------------------------------------------- assets
@@ -91,16 +87,15 @@ def build_tokenizer(texts: list, out_dir: str):
     return fast
 
 
-def build_model(shape: dict, out_dir: str, seed: int) -> int:
+def build_model(shape: str, out_dir: str, seed: int) -> int:
+    """Save a random-initialised model of ``shape`` (bench_generation.SHAPES) in bf16; its parameter count."""
     import torch
-    from transformers import OPTConfig, OPTForCausalLM
 
-    config = OPTConfig(vocab_size=8192, max_position_embeddings=2048, pad_token_id=1, bos_token_id=2,
-                       eos_token_id=2, dropout=0.1, attention_dropout=0.0, **shape)
+    from bench_generation import build_model as build_shape
+
     torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = OPTForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model = build_shape(shape, torch.bfloat16, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -111,7 +106,7 @@ def prepare(work: str, hh_path: str) -> None:
     start = time.time()
     rows = write_data(hh_path, os.path.join(work, "data"))
     tokenizer = build_tokenizer([r["prompt"] + " " + r["chosen"] for r in rows], os.path.join(work, "tokenizer"))
-    for name, shape, seed in (("actor-init", ACTOR_SHAPE, 1), ("rm-init", RM_SHAPE, 2)):
+    for name, shape, seed in (("actor-init", "opt-1.3b", 1), ("rm-init", "opt-350m", 2)):
         n = build_model(shape, os.path.join(work, name), seed)
         tokenizer.save_pretrained(os.path.join(work, name))
         print(f"built {name}: {n / 1e9:.3f} B parameters", flush=True)

@@ -136,7 +136,7 @@ def main(args):
                                   trust_remote_code=args.trust_remote_code)
     model = create_critic_model(args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning,
                                 dropout=args.dropout, zero_stage=args.zero_stage,
-                                compute_fp32_loss=args.compute_fp32_loss, trust_remote_code=args.trust_remote_code)
+                                trust_remote_code=args.trust_remote_code)
     if args.lora_dim > 0:
         convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
         if args.only_optimize_lora:

@@ -91,7 +91,9 @@ def parse_args(argv=None):
     g.add_argument("--enable_ema", action="store_true", help="Keep (and save) an EMA copy of the actor (β = 0.992).")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed-precision ZeRO++ for LoRA (needs --actor_lora_dim > 0 and --actor_zero_stage 3).")
-    g.add_argument("--compute_fp32_loss", action="store_true", help="Compute losses in fp32 (with bf16/fp16).")
+    g.add_argument("--compute_fp32_loss", action="store_true",
+                   help="Compute the actor's losses in fp32 (with bf16/fp16; the critic's values and loss are "
+                        "always fp32).")
     g.add_argument("--align_overflow", action="store_true",
                    help="fp16: skip both actor and critic steps when either overflows.")
 

@@ -200,8 +200,7 @@ class DeepSpeedRLHFEngine:
                                    args.gradient_accumulation_steps)
         model = create_critic_model(path, self.tokenizer, model_config, args.num_padding_at_beginning,
                                     rlhf_training=True, dropout=args.critic_dropout,
-                                    zero_stage=args.critic_zero_stage, compute_fp32_loss=args.compute_fp32_loss,
-                                    trust_remote_code=args.trust_remote_code)
+                                    zero_stage=args.critic_zero_stage, trust_remote_code=args.trust_remote_code)
         # unlike the reference, --only_optimize_lora keeps the value head trainable
         engine = self._initialize(self._lora(model, "critic", force_optimize=("v_head",)), ds_config, role="critic")
         if args.critic_gradient_checkpointing:
@@ -218,7 +217,7 @@ class DeepSpeedRLHFEngine:
                                 args.gradient_accumulation_steps)
         model = create_critic_model(path, self.tokenizer, ds_config, args.num_padding_at_beginning,
                                     rlhf_training=True, dropout=args.critic_dropout, zero_stage=stage,
-                                    compute_fp32_loss=args.compute_fp32_loss, trust_remote_code=args.trust_remote_code)
+                                    trust_remote_code=args.trust_remote_code)
         engine = self._initialize(model, ds_config)
         _log_init("reward", start)
         return engine

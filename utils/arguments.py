@@ -69,7 +69,8 @@ def add_training_args(parser: argparse.ArgumentParser):
     g.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed.")
     g.add_argument("--compute_fp32_loss", action="store_true",
-                   help="Compute the loss in fp32 (relevant with bf16/fp16).")
+                   help="Compute the language-model loss in fp32 (relevant with bf16/fp16; a reward model's "
+                        "values and pairwise loss are always fp32).")
     return g
 
 

@@ -172,7 +172,7 @@ def load_reward_state_dict(model: RewardModel, folder: str, zero_stage: int = 0)
 
 def create_critic_model(model_name_or_path: str, tokenizer, ds_config: dict | None, num_padding_at_beginning: int = 0,
                         rlhf_training: bool = False, dropout=None, zero_stage: int = 0,
-                        compute_fp32_loss: bool = False, trust_remote_code: bool = False) -> RewardModel:
+                        trust_remote_code: bool = False) -> RewardModel:
     """A :class:`RewardModel` on ``model_name_or_path``'s backbone.
 
     ``rlhf_training=False`` (step 2): backbone weights from the (pretrained / step-1)
@@ -201,9 +201,9 @@ def create_critic_model(model_name_or_path: str, tokenizer, ds_config: dict | No
         import deepspeed
 
         with deepspeed.zero.Init(config_dict_or_path=ds_config):  # v_head partitioned, in the backbone's dtype
-            model = RewardModel(backbone, tokenizer, num_padding_at_beginning, compute_fp32_loss)
+            model = RewardModel(backbone, tokenizer, num_padding_at_beginning)
     else:
-        model = RewardModel(backbone, tokenizer, num_padding_at_beginning, compute_fp32_loss)
+        model = RewardModel(backbone, tokenizer, num_padding_at_beginning)
     if rlhf_training:
         load_reward_state_dict(model, folder, zero_stage)
     return model

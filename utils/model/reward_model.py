@@ -101,8 +101,7 @@ class ValueHead(nn.Linear):
 class RewardModel(nn.Module):
     """Backbone (no LM head) + bias-free scalar ``v_head``. See the module docstring."""
 
-    def __init__(self, base_model: nn.Module, tokenizer, num_padding_at_beginning: int = 0,
-                 compute_fp32_loss: bool = False):
+    def __init__(self, base_model: nn.Module, tokenizer, num_padding_at_beginning: int = 0):
         super().__init__()
         self.config = base_model.config
         self.num_padding_at_beginning = num_padding_at_beginning
@@ -110,7 +109,6 @@ class RewardModel(nn.Module):
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.EOS_ID = tokenizer.eos_token_id
-        self.compute_fp32_loss = compute_fp32_loss
 
     # gradient checkpointing is the backbone's (transformers ≥ 5 calls it "activation checkpointing")
     def gradient_checkpointing_enable(self, **kwargs):
