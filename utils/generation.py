@@ -94,15 +94,6 @@ def lora_fused(model):
                 m.fuse_lora = False
 
 
-def _decode_mask(prompt_mask: torch.Tensor, total: int) -> torch.Tensor:
-    """``[B, 1, 1, total]`` SDPA mask (True = attend) for one-token queries: the prompt's real tokens;
-    the answer's columns are opened one per step by the caller."""
-    B, P = prompt_mask.shape
-    keep = torch.zeros(B, 1, 1, total, dtype=torch.bool, device=prompt_mask.device)
-    keep[:, 0, 0, :P] = prompt_mask.bool()
-    return keep
-
-
 class StaticGenerator:
     """Greedy / sampled decoding on a static KV cache, the decode step as a CUDA graph (module docstring).
 
@@ -130,7 +121,6 @@ class StaticGenerator:
         self.graph = None
         self.capture_seconds = 0.0  # one-off cost of the last capture
         self.last_prefill_seconds = 0.0
-        self.captures = 0
         self._param_ptrs = None
 
     # ------------------------------------------------------------------ buffers and graph
@@ -142,6 +132,8 @@ class StaticGenerator:
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.total)
         self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        # the decode step's SDPA mask [B, 1, 1, total] (True = attend): the prompt's real tokens, then one
+        # answer column opened per step
         self.mask = torch.zeros(batch_size, 1, 1, self.total, dtype=torch.bool, device=device)
         self.graph, self.graph_logits, self._param_ptrs = None, None, None
 
@@ -185,7 +177,6 @@ class StaticGenerator:
         self._set_cache_lengths(lengths)  # capture records without running; keep the prefill's length
         torch.cuda.synchronize()
         self.graph = graph
-        self.captures += 1
         self.capture_seconds = time.time() - start
         self.log(f"generation: captured the decode step as a CUDA graph in {self.capture_seconds:.2f}s "
                  f"(batch {self.batch_size}, cache {self.total} tokens; paid once per run)")
@@ -264,7 +255,8 @@ class StaticGenerator:
         if token.is_cuda:
             torch.cuda.synchronize()
         self.last_prefill_seconds = time.time() - start
-        self.mask.copy_(_decode_mask(mask, self.total))
+        self.mask.zero_()
+        self.mask[:, 0, 0, :P] = mask.bool()
         self.pos.copy_(positions[:, -1:])
         steps = A
         for t in range(A):
