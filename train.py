@@ -35,11 +35,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, REPO)
+from utils.arguments import ZERO_STAGES, HelpFormatter  # these three are pure: no torch import
+from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY
+from utils.model.tiny import CONFIGS as BUILTIN_MODELS
 
-from utils.arguments import HelpFormatter  # noqa: E402  (pure: no torch import)
-from utils.model.tiny import CONFIGS as BUILTIN_MODELS  # noqa: E402  (pure: no torch import)
+REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-model", default=None,
                    help="Reward model (step 2, critic in step 3): 350m or the same forms as --actor-model. "
                         f"Default: {DEFAULT_MODEL} ({DEMO_MODEL} with --demo).")
-    p.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+    p.add_argument("--actor-zero-stage", type=int, choices=ZERO_STAGES, default=None,
                    help="ZeRO stage of the actor (steps 1, 3); default: the step's (or script's) own.")
-    p.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+    p.add_argument("--reward-zero-stage", type=int, choices=ZERO_STAGES, default=None,
                    help="ZeRO stage of the reward model / critic (steps 2, 3); default: the step's own.")
     p.add_argument("--output-dir", default="./output",
                    help="Results go to {output}/actor-models/, reward-models/, step3-models/.")
@@ -394,7 +394,8 @@ def child_env(cpu_threads: str | None = None) -> dict:
     ``cpu_threads`` sets ``OMP_NUM_THREADS`` unless the user already did.
     """
     bin_dir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable,
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # works without `pip install -e .`
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHON=sys.executable, PYTHONPATH=path,
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
     if cpu_threads is not None:
         env.setdefault("OMP_NUM_THREADS", cpu_threads)
@@ -407,8 +408,6 @@ def fmt_time(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
 
-INTERRUPTED = 130  # the exit status of a step stopped by Ctrl-C (utils.utils.run_main)
-OUT_OF_MEMORY = 4  # ... of a step that ran out of GPU memory (utils.utils.OUT_OF_MEMORY)
 OOM_SIGNS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cannot allocate memory")
 
 
@@ -429,9 +428,9 @@ def failure_message(launch: Launch, rc: int) -> str:
     """What failed and where its log is; memory advice only when it looks like memory, not after bad input."""
     lines = [f"error: step {launch.step.number} ({launch.step.title}) failed with exit status {rc}",
              f"  log: {launch.log_path}", f"  command: {shlex.join(launch.cmd)}"]
-    if rc == 2:
+    if rc == BAD_INPUT:
         lines.append("  the step refused its input: see its error line above")
-    elif rc == 3:
+    elif rc == DIVERGED:
         lines.append("  training diverged (a non-finite loss or reward): see its error line above")
     elif rc == OUT_OF_MEMORY or looks_out_of_memory(launch, rc):
         lines += ["  it ran out of memory; try:", *REMEDIES]

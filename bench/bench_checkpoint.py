@@ -25,7 +25,6 @@ import sys
 import tempfile
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
 SAVED = re.compile(r"saved checkpoint (\S+) \(([\d.]+)s\)")
 
 

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
-
 SHAPES = {  # random-initialised models of real shapes (vocab 8192, as the GPU recipe's tokenizer)
     "opt-1.3b": dict(arch="opt", hidden=2048, layers=24, heads=32, ffn=8192, proj=2048, pre_ln=True),
     "opt-350m": dict(arch="opt", hidden=1024, layers=24, heads=16, ffn=4096, proj=512, pre_ln=False),

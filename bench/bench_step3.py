@@ -27,8 +27,6 @@ import tempfile
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
-
 KEYS = ("samples_per_sec", "gen_tokens_per_sec", "train_tflops", "gen_tflops", "e2e_latency")
 
 

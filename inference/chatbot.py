@@ -17,8 +17,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
-
 TURN = " Human: {text} Assistant:"
 
 
@@ -156,6 +154,6 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    from utils.utils import run_main
+    from utils.entrypoint import run_main
 
     run_main(main, parse_args())

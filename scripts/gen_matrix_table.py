@@ -28,9 +28,7 @@ import tempfile
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
-
-from utils.compat import (DTYPES, LORA, OFFLOAD, RULES, STEPS, ZERO_STAGES, Combination,  # noqa: E402
+from utils.compat import (DTYPES, LORA, OFFLOAD, RULES, STEPS, ZERO_STAGES, Combination,
                           all_combinations, expected_outcome)
 
 DOC = os.path.join(REPO, "docs", "zero_matrix.md")

@@ -12,7 +12,7 @@ replaced by a trap, so nothing is trained, initialised or downloaded.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import inspect
 import os
 import re
@@ -42,13 +42,7 @@ def _trap(self, args=None, namespace=None):
 
 def load_parser(relpath: str) -> argparse.ArgumentParser:
     """The ``ArgumentParser`` an entry point builds (its ``build_parser()``, else the one ``parse_args`` uses)."""
-    path = os.path.join(REPO, relpath)
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    spec = importlib.util.spec_from_file_location(f"_flags_{relpath.replace('/', '_')[:-3]}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look a module up by name
-    spec.loader.exec_module(module)
+    module = importlib.import_module(relpath[:-3].replace("/", "."))
     if hasattr(module, "build_parser"):
         return module.build_parser()
     original = argparse.ArgumentParser.parse_args

@@ -12,17 +12,26 @@ checkpoint is written every N optimizer steps; rerunning the command resumes fro
 """
 import argparse
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+import torch
 
-import torch  # noqa: E402
-
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
-                             add_logging_args, add_lora_args, add_model_args, add_training_args, validate_common)
-from utils.utils import run_main  # noqa: E402
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
+                             add_lora_args, add_model_args, add_training_args, validate_common)
+from utils.checkpoint import CheckpointManager
+from utils.compat import check_zero_combination
+from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
+from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.entrypoint import run_main
+from utils.errors import check_finite
+from utils.lora import apply_lora
+from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+from utils.perf import throughput_due, throughput_line
+from utils.preflight import preflight
+from utils.rl_math import causal_lm_loss
+from utils.runtime import to_device
+from utils.training import (OptimConfig, count_optimizer_steps, make_engine, make_loaders, start_run,
+                            step_ds_config)
 
 
 def parse_args(argv=None):
@@ -41,7 +50,8 @@ def parse_args(argv=None):
 def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
     """(perplexity, loss) over the eval set, averaged across ranks."""
     from utils.rl_math import causal_lm_loss
-    from utils.utils import get_all_reduce_mean, to_device
+    from utils.distributed import get_all_reduce_mean
+    from utils.runtime import to_device
 
     model.eval()
     total, batches = torch.zeros((), device=device), 0
@@ -57,52 +67,23 @@ def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
 
 
 def main(args):
-    # ---- fail fast on bad flags and data, before the heavy imports and any model/DeepSpeed set-up
-    from utils.compat import check_zero_combination
-    from utils.preflight import preflight
-
+    # ---- fail fast on bad flags and data, before any model or DeepSpeed set-up
     validate_common(args)
     check_zero_combination(args)
     preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=1)
+    from transformers import AutoModelForCausalLM
 
-    import deepspeed
-    from torch.utils.data import DataLoader, SequentialSampler
-    from torch.utils.data.distributed import DistributedSampler
-    from transformers import AutoModelForCausalLM, get_scheduler
+    # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
+    device, log = start_run(args, "step1_model")
+    ds_config = step_ds_config(args, "step1_model")
 
-    from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
-    from utils.errors import check_finite
-    from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
-    from utils.logger import TrainLogger
-    from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
-    from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
-                                   only_optimize_lora_parameters)
-    from utils.perf import throughput_due, throughput_line
-    from utils.rl_math import causal_lm_loss
-    from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
-
-    # ---- set-up: distributed, precision, DeepSpeed config
-    device = init_distributed(args)
-    resolve_dtype(args)
-    set_random_seed(args.seed)
-    log = TrainLogger("step1_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
-    ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
-                                    tb_path=args.tensorboard_path, tb_name="step1_model")
-    set_batch_sizes(ds_config, args.per_device_train_batch_size, get_world_size(), args.gradient_accumulation_steps)
-    barrier()
-
-    # ---- tokenizer and model
+    # ---- tokenizer and model (+ LoRA)
     eot = args.eot_token if args.add_eot_token else None
     tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
                                   trust_remote_code=args.trust_remote_code)
     model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
                             dropout=args.dropout, trust_remote_code=args.trust_remote_code)
-    if args.lora_dim > 0:
-        convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
-        if args.only_optimize_lora:
-            only_optimize_lora_parameters(model)
-            make_model_gradient_checkpointing_compatible(model)
+    apply_lora(model, args.lora_module_name, args.lora_dim, args.only_optimize_lora)
 
     # ---- data: prompt + chosen + EOS (as the reference: the SFT model must learn to emit EOS, which is
     # where generation stops; --eot_token is for the reward model's texts)
@@ -110,26 +91,13 @@ def main(args):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=tokenizer.eos_token,
         sft_only_data_path=args.sft_only_data_path, log=log.info)
-    distributed = get_world_size() > 1
     collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
-    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
-    eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
-                             sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
-                             else SequentialSampler(eval_dataset))
+    train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
-    # ---- optimizer, schedule, engine
-    optimizer = create_optimizer(model, args.weight_decay, args.learning_rate, args.lora_learning_rate, args.offload)
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    total_steps = args.num_train_epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
-                                 num_training_steps=total_steps)
-    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
-                                                             config=ds_config, lr_scheduler=lr_scheduler,
-                                                             dist_init_required=True)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # ---- engine: optimizer, schedule, deepspeed.initialize
+    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
+                                        args.num_train_epochs, args.max_steps)
+    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
     ckpt = CheckpointManager.from_args(args, log)
@@ -175,7 +143,7 @@ def main(args):
             step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=lr_scheduler.get_last_lr()[0])
+            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0])
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          args.per_device_train_batch_size, batch["input_ids"].shape[1],

@@ -14,12 +14,8 @@ compatibility with the reference's scripts, whose diverse-beam and contrastive
 searches are commented out (transformers >= 4.56 moved both out of the library).
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
-
-from utils.utils import run_main  # noqa: E402
+from utils.entrypoint import run_main
 
 # Prompts end with ":" (the reference's observation: a trailing space often makes an
 # untuned model produce nothing).

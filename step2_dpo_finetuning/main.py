@@ -18,18 +18,27 @@ With ``--save_interval`` a resumable checkpoint of the policy is written every N
 steps; rerunning the command resumes from it (:mod:`utils.checkpoint`).
 """
 import argparse
-import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+import torch
 
-import torch  # noqa: E402
-
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
-                             add_logging_args, add_lora_args, add_model_args, add_training_args, validate_common)
-from utils.utils import run_main  # noqa: E402
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eval_args,
+                             add_logging_args, add_lora_args, add_model_args, add_offload_reference_arg,
+                             add_training_args, validate_common)
+from utils.checkpoint import CheckpointManager
+from utils.compat import check_zero_combination
+from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
+from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.entrypoint import run_main
+from utils.errors import UserInputError, check_finite
+from utils.lora import apply_lora
+from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+from utils.perf import throughput_due, throughput_line
+from utils.preflight import preflight
+from utils.rl_math import dpo_loss, sequence_log_probs
+from utils.runtime import to_device
+from utils.training import (OptimConfig, count_optimizer_steps, frozen_ds_config, make_engine, make_loaders,
+                            start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -47,10 +56,8 @@ def parse_args(argv=None):
                    help="DPO temperature β (typically 0.1-0.5; the reference model matters less as β → 0).")
     g.add_argument("--label_smoothing", type=float, default=0.0,
                    help="Conservative DPO: assumed probability that a preference label is flipped.")
-    g.add_argument("--offload_reference_model", action="store_true", help="ZeRO-Offload the reference model to CPU.")
-    g.add_argument("--eval_interval", type=int, default=0,
-                   help="Evaluate every this many optimizer steps (0 = only before training and after each epoch).")
-    g.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
+    add_offload_reference_arg(g)
+    add_eval_args(g)
     return parser.parse_args(argv)
 
 
@@ -76,8 +83,6 @@ def dpo_loss_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
 
 def dpo_batch(model, ref_model, batch, beta: float, label_smoothing: float) -> dict:
     """Loss (with gradient) and detached per-pair statistics for one ``[chosen; rejected]`` batch."""
-    from utils.rl_math import dpo_loss, sequence_log_probs
-
     ids, att = batch["input_ids"], batch["attention_mask"]
     B = ids.shape[0] // 2
     mask = dpo_loss_mask(ids, att)
@@ -98,8 +103,6 @@ def summarize(out: dict) -> dict:
 
 def evaluate_dpo(model, ref_model, dataloader, device, eval_iters: int, beta: float, label_smoothing: float) -> dict:
     """Eval-set means of the :func:`summarize` statistics (per pair; loss per batch), all-reduced across ranks."""
-    from utils.utils import get_all_reduce_mean, to_device
-
     model.eval()
     # loss sum, batches, chosen sum, rejected sum, correct, pairs
     sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -125,10 +128,6 @@ def format_metrics(m: dict) -> str:
 
 def main(args):
     # ---- fail fast on bad flags, model paths and data, before any set-up
-    from utils.compat import check_zero_combination
-    from utils.errors import UserInputError
-    from utils.preflight import preflight
-
     validate_common(args)
     check_zero_combination(args)
     if args.beta <= 0:
@@ -136,39 +135,15 @@ def main(args):
     if not 0.0 <= args.label_smoothing < 0.5:
         raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+    from transformers import AutoModelForCausalLM
 
-    import deepspeed
-    from torch.utils.data import DataLoader, SequentialSampler
-    from torch.utils.data.distributed import DistributedSampler
-    from transformers import AutoModelForCausalLM, get_scheduler
+    # ---- set-up: distributed, precision, seed, logger, DeepSpeed configs (policy: train; reference: frozen)
+    device, log = start_run(args, "step2_dpo")
+    ds_config = step_ds_config(args, "step2_dpo")
+    ref_ds_config = frozen_ds_config(args.dtype, args.zero_stage, args.offload_reference_model,
+                                     args.per_device_train_batch_size, args.gradient_accumulation_steps)
 
-    from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
-    from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
-    from utils.errors import check_finite
-    from utils.logger import TrainLogger
-    from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
-    from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
-                                   only_optimize_lora_parameters)
-    from utils.perf import throughput_due, throughput_line
-    from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
-
-    # ---- set-up: distributed, precision, DeepSpeed configs (policy: train; reference: eval)
-    device = init_distributed(args)
-    resolve_dtype(args)
-    set_random_seed(args.seed)
-    log = TrainLogger("step2_dpo", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
-    ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
-                                    enable_tensorboard=args.enable_tensorboard,
-                                    tb_path=args.tensorboard_path, tb_name="step2_dpo")
-    set_batch_sizes(ds_config, args.per_device_train_batch_size, get_world_size(), args.gradient_accumulation_steps)
-    # ZeRO-3 for the policy means ZeRO-3 for everything; otherwise the frozen copy fits unpartitioned
-    ref_ds_config = get_eval_ds_config(args.offload_reference_model, args.dtype, 3 if args.zero_stage == 3 else 0)
-    set_batch_sizes(ref_ds_config, args.per_device_train_batch_size, get_world_size(),
-                    args.gradient_accumulation_steps)
-    barrier()
-
-    # ---- tokenizer, policy, reference
+    # ---- tokenizer, policy (+ LoRA), reference
     eot = args.eot_token if args.add_eot_token else None
     tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
                                   trust_remote_code=args.trust_remote_code)
@@ -176,39 +151,21 @@ def main(args):
                             dropout=args.dropout, trust_remote_code=args.trust_remote_code)
     ref_model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ref_ds_config,
                                 dropout=args.dropout, trust_remote_code=args.trust_remote_code)
-    if args.lora_dim > 0:
-        convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
-        if args.only_optimize_lora:
-            only_optimize_lora_parameters(model)
-            make_model_gradient_checkpointing_compatible(model)
+    apply_lora(model, args.lora_module_name, args.lora_dim, args.only_optimize_lora)
 
     # ---- data: (chosen, rejected) pairs, collated as [chosen…; rejected…]
     train_dataset, eval_dataset = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
         log=log.info)
-    distributed = get_world_size() > 1
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
-    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
-    eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
-                             sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
-                             else SequentialSampler(eval_dataset))
+    train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
-    # ---- optimizer, schedule, engines
-    optimizer = create_optimizer(model, args.weight_decay, args.learning_rate, args.lora_learning_rate, args.offload)
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    total_steps = args.num_train_epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
-                                 num_training_steps=total_steps)
-    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
-                                                             config=ds_config, lr_scheduler=lr_scheduler,
-                                                             dist_init_required=True)
-    ref_model, *_ = deepspeed.initialize(model=ref_model, config=ref_ds_config)
-    ref_model.eval()
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # ---- engines: the policy's optimizer, schedule and deepspeed.initialize; the frozen reference
+    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
+                                        args.num_train_epochs, args.max_steps)
+    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    ref_model = make_engine(ref_model, ref_ds_config)
 
     def evaluate(step: int, when: str) -> dict:
         metrics = evaluate_dpo(model, ref_model, eval_loader, device, args.eval_iters, args.beta,
@@ -248,7 +205,7 @@ def main(args):
             stats = summarize(out)
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
-            log.scalars(step, "train", lr=lr_scheduler.get_last_lr()[0], **stats)
+            log.scalars(step, "train", lr=model.get_lr()[0], **stats)
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],

@@ -12,18 +12,28 @@ steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`)
 the command resumes from it (:mod:`utils.checkpoint`).
 """
 import argparse
-import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+import torch
 
-import torch  # noqa: E402
-
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args,  # noqa: E402
-                             add_logging_args, add_lora_args, add_model_args, add_training_args, validate_common)
-from utils.utils import run_main  # noqa: E402
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eval_args,
+                             add_logging_args, add_lora_args, add_model_args, add_num_padding_arg, add_training_args,
+                             validate_common)
+from utils.checkpoint import CheckpointManager
+from utils.compat import check_zero_combination
+from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
+from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.entrypoint import run_main
+from utils.errors import check_finite
+from utils.lora import apply_lora
+from utils.model.critic import create_critic_model, save_reward_model
+from utils.model.model_utils import load_hf_tokenizer
+from utils.model.reward_model import count_leading_pads
+from utils.perf import throughput_due, throughput_line
+from utils.preflight import preflight
+from utils.runtime import to_device
+from utils.training import (OptimConfig, count_optimizer_steps, make_engine, make_loaders, start_run,
+                            step_ds_config)
 
 
 def parse_args(argv=None):
@@ -37,11 +47,8 @@ def parse_args(argv=None):
     add_logging_args(parser, tensorboard_path="step2_tensorboard")
     add_checkpoint_args(parser)
     g = parser.add_argument_group("reward model")
-    g.add_argument("--num_padding_at_beginning", type=int, default=1,
-                   help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
-    g.add_argument("--eval_interval", type=int, default=0,
-                   help="Evaluate every this many optimizer steps (0 = only before training and after each epoch).")
-    g.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
+    add_num_padding_arg(g)
+    add_eval_args(g)
     parser.set_defaults(learning_rate=5e-5)
     return parser.parse_args(argv)
 
@@ -51,8 +58,6 @@ def evaluate_reward(model, dataloader, device, eval_iters: int) -> dict:
 
     Sums are all-reduced across ranks, so every rank returns the same numbers.
     """
-    from utils.utils import get_all_reduce_mean, to_device
-
     model.eval()
     # correct, pairs, chosen sum, rejected sum, loss sum, batches
     sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -78,8 +83,6 @@ def check_padding_at_beginning(dataset, pad_token_id: int, npab: int, log) -> No
 
     With OPT-style tokenizers (BOS = pad) and npab 0 every score would be read at position 0.
     """
-    from utils.model.reward_model import count_leading_pads
-
     leading = {count_leading_pads(chosen, pad_token_id) for chosen, _ in dataset.samples[:32]}
     if leading != {npab}:
         log.warning(f"--num_padding_at_beginning is {npab} but the tokenised sequences start with "
@@ -95,53 +98,22 @@ def format_eval(metrics: dict) -> str:
 
 def main(args):
     # ---- fail fast on bad flags, model paths and data, before any set-up
-    from utils.compat import check_zero_combination
-    from utils.preflight import preflight
-
     validate_common(args)
     check_zero_combination(args)
     preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
 
-    import deepspeed
-    from torch.utils.data import DataLoader, SequentialSampler
-    from torch.utils.data.distributed import DistributedSampler
-    from transformers import get_scheduler
+    # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
+    device, log = start_run(args, "step2_model")
+    ds_config = step_ds_config(args, "step2_model")
 
-    from utils.checkpoint import CheckpointManager, resumable_loader
-    from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
-    from utils.ds_utils import create_optimizer, get_train_ds_config, set_batch_sizes
-    from utils.errors import check_finite
-    from utils.logger import TrainLogger
-    from utils.model.critic import create_critic_model, save_reward_model
-    from utils.model.model_utils import load_hf_tokenizer
-    from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
-                                   only_optimize_lora_parameters)
-    from utils.perf import throughput_due, throughput_line
-    from utils.utils import barrier, get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
-
-    # ---- set-up: distributed, precision, DeepSpeed config
-    device = init_distributed(args)
-    resolve_dtype(args)
-    set_random_seed(args.seed)
-    log = TrainLogger("step2_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
-    ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=args.zero_stage,
-                                    enable_tensorboard=args.enable_tensorboard,
-                                    tb_path=args.tensorboard_path, tb_name="step2_model")
-    set_batch_sizes(ds_config, args.per_device_train_batch_size, get_world_size(), args.gradient_accumulation_steps)
-    barrier()
-
-    # ---- tokenizer and reward model
+    # ---- tokenizer and reward model: backbone + v_head (+ LoRA; the value head always trains)
     eot = args.eot_token if args.add_eot_token else None
     tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
                                   trust_remote_code=args.trust_remote_code)
     model = create_critic_model(args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning,
                                 dropout=args.dropout, zero_stage=args.zero_stage,
                                 trust_remote_code=args.trust_remote_code)
-    if args.lora_dim > 0:
-        convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
-        if args.only_optimize_lora:
-            only_optimize_lora_parameters(model, force_optimize_params=["v_head"])
-            make_model_gradient_checkpointing_compatible(model.rwtransformer)
+    apply_lora(model, args.lora_module_name, args.lora_dim, args.only_optimize_lora, force_optimize=["v_head"])
 
     # ---- data: (chosen, rejected) pairs, collated as [chosen…; rejected…]
     train_dataset, eval_dataset = create_prompt_dataset(
@@ -149,26 +121,13 @@ def main(args):
         args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
         log=log.info)
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning, log)
-    distributed = get_world_size() > 1
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
-    train_loader = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
-    eval_loader = DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
-                             sampler=DistributedSampler(eval_dataset, shuffle=False) if distributed
-                             else SequentialSampler(eval_dataset))
+    train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
-    # ---- optimizer, schedule, engine
-    optimizer = create_optimizer(model, args.weight_decay, args.learning_rate, args.lora_learning_rate, args.offload)
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    total_steps = args.num_train_epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps,
-                                 num_training_steps=total_steps)
-    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
-                                                             config=ds_config, lr_scheduler=lr_scheduler,
-                                                             dist_init_required=True)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # ---- engine: optimizer, schedule, deepspeed.initialize
+    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
+                                        args.num_train_epochs, args.max_steps)
+    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
 
     def evaluate(step: int, when: str) -> dict:
         metrics = evaluate_reward(model, eval_loader, device, args.eval_iters)
@@ -210,7 +169,7 @@ def main(args):
             step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=lr_scheduler.get_last_lr()[0])
+            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0])
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],

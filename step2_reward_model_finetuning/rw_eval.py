@@ -16,12 +16,9 @@ the model was trained on (e.g. ``" Human: … Assistant:"``, answers starting wi
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
-
-from utils.errors import UserInputError  # noqa: E402
-from utils.utils import run_main  # noqa: E402
+from utils.errors import UserInputError
+from utils.entrypoint import run_main
 
 
 def parse_args(argv=None):

@@ -21,19 +21,33 @@ import argparse
 import math
 import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+import torch
 
-import torch  # noqa: E402
-
-from utils.arguments import (SCHEDULERS, HelpFormatter, add_checkpoint_args, add_data_args,  # noqa: E402
-                             add_deepspeed_args, add_logging_args, add_rlhf_role_args, add_trust_remote_code_arg,
-                             validate_common)
-from utils.errors import UserInputError  # noqa: E402
-from utils.generation import BACKENDS  # noqa: E402
-from utils.utils import run_main  # noqa: E402
+from step3_rlhf_finetuning.config import Step3Config
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
+                                               ExponentialMovingAverage, MiniDataset, step3_throughput,
+                                               summarize_experience, throughput_lines)
+from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
+from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
+                             add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
+                             add_rlhf_role_args, add_run_args, add_trust_remote_code_arg, validate_common)
+from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
+from utils.compat import check_zero_combination
+from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
+from utils.data.unsupervised import get_unsupervised_data
+from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.entrypoint import run_main
+from utils.errors import UserInputError, check_finite
+from utils.generation import BACKENDS
+from utils.model.critic import save_reward_model
+from utils.model.model_utils import load_hf_tokenizer, save_hf_format
+from utils.perf import count_parameters, model_shape, throughput_due
+from utils.preflight import preflight
+from utils.runtime import to_device
+from utils.summary import head_tail_window
+from utils.training import start_run
 
 
 def parse_args(argv=None):
@@ -58,8 +72,7 @@ def parse_args(argv=None):
     g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output (or any causal LM).")
     g.add_argument("--critic_model_name_or_path", type=str, required=True,
                    help="Step-2 output folder: initialises both critic and reward model.")
-    g.add_argument("--num_padding_at_beginning", type=int, default=1,
-                   help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
+    add_num_padding_arg(g)
     g.add_argument("--allow_vocab_mismatch", action="store_true",
                    help="Run even when the actor's and the reward model's tokenizers differ (the reward model "
                         "then reads the actor's token ids as its own; refused by default).")
@@ -73,27 +86,18 @@ def parse_args(argv=None):
     g.add_argument("--generation_batches", type=int, default=1,
                    help="Generation batches collected before each round of PPO training.")
     g.add_argument("--ppo_epochs", type=int, default=1, help="Passes of PPO training over each round's experience.")
-    g.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the prompts.")
-    g.add_argument("--max_steps", type=int, default=0, help="Stop after this many PPO steps (0 = no limit).")
-    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
-                   help="Learning-rate schedule.")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Micro batches per optimizer step.")
-    g.add_argument("--num_warmup_steps", type=int, default=100, help="Warm-up steps of the schedule.")
-    g.add_argument("--output_dir", type=str, default=None, help="Where actor/, critic/ and actor_ema/ are saved.")
-    g.add_argument("--seed", type=int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
+    add_run_args(g, unit="PPO steps", output="actor/, critic/ and actor_ema/ are",
+                 fp32_loss="the actor's losses")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient β.")
     g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward-model scores are clipped to ±this.")
     g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip ε of the actor loss.")
     g.add_argument("--cliprange_value", type=float, default=0.2, help="Value clip of the critic loss.")
     g.add_argument("--gamma", type=float, default=1.0, help="Discount γ.")
     g.add_argument("--lam", type=float, default=0.95, help="GAE λ.")
-    g.add_argument("--only_optimize_lora", action="store_true", help="Train only the LoRA factors (critic: + v_head).")
+    add_only_optimize_lora_arg(g)
     g.add_argument("--enable_ema", action="store_true", help="Keep (and save) an EMA copy of the actor (β = 0.992).")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed-precision ZeRO++ for LoRA (needs --actor_lora_dim > 0 and --actor_zero_stage 3).")
-    g.add_argument("--compute_fp32_loss", action="store_true",
-                   help="Compute the actor's losses in fp32 (with bf16/fp16; the critic's values and loss are "
-                        "always fp32).")
     g.add_argument("--align_overflow", action="store_true",
                    help="fp16: skip both actor and critic steps when either overflows.")
 
@@ -124,15 +128,12 @@ def parse_args(argv=None):
                    help="Hybrid engine: tensor-parallel degree of generation (needs --actor_zero_stage 3).")
     g.add_argument("--tp_gather_partition_size", type=int, default=8,
                    help="Hybrid engine: layers gathered at a time for tensor-parallel generation.")
-    g.add_argument("--offload_reference_model", action="store_true", help="ZeRO-Offload the reference (and EMA) model.")
+    add_offload_reference_arg(g)
     g.add_argument("--offload_reward_model", action="store_true", help="ZeRO-Offload the reward model.")
     add_logging_args(parser, tensorboard_path="step3_tensorboard")
     add_checkpoint_args(parser, unit="PPO steps")
+    parser.set_defaults(num_warmup_steps=100)
     return parser.parse_args(argv)
-
-
-def unsupervised_enabled(args) -> bool:
-    return bool(args.unsupervised_dataset_name)
 
 
 def validate_step3(args) -> None:
@@ -169,10 +170,6 @@ def validate_step3(args) -> None:
 
 def create_datasets(args, tokenizer, log):
     """(prompt loader, unsupervised loader or None, PPO steps, total optimizer steps of each model)."""
-    from utils.checkpoint import resumable_loader
-    from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
-    from utils.data.unsupervised import get_unsupervised_data
-
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
                                        args.seed, tokenizer, args.max_prompt_seq_len,
                                        end_of_conversation_token=args.eot_token, log=log.info)
@@ -182,7 +179,7 @@ def create_datasets(args, tokenizer, log):
                                      collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
     batches = len(prompt_loader)
     unsup_loader = None
-    if unsupervised_enabled(args):
+    if args.unsupervised_dataset_name:
         text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
                                      args.max_prompt_seq_len + args.max_answer_seq_len, log=log.info)
         unsup_loader = resumable_loader(text, args.per_device_generation_batch_size, args.seed, drop_last=True)
@@ -210,22 +207,6 @@ def epoch_batches(batches: int, args, ppo_step: int) -> int:
     return batches
 
 
-def check_critic_folder(name_or_path: str) -> None:
-    """Fail fast (before any model is built) when the critic folder is not a step-2 output."""
-    from utils.model.critic import WEIGHTS_FILE, check_reward_model_folder, read_marker
-    from utils.model.model_utils import resolve_model_name_or_path
-
-    folder = check_reward_model_folder(resolve_model_name_or_path(name_or_path))
-    weights = os.path.join(folder, WEIGHTS_FILE)
-    if read_marker(folder) is None and os.path.isfile(weights):
-        from safetensors import safe_open
-
-        with safe_open(weights, framework="pt") as f:
-            if "v_head.weight" not in f.keys():
-                raise UserInputError(f"--critic_model_name_or_path {name_or_path}: {folder} is not a step-2 reward "
-                                     "model folder (no value head; is it a step-1 / plain HF folder?)")
-
-
 def parameter_checksum(engine, zero_stage: int) -> float:
     """Σ|θ| + Σθ² over a model's parameters (float64; ZeRO-3 partitions summed across ranks)."""
     total = torch.zeros((), dtype=torch.float64)
@@ -239,19 +220,19 @@ def parameter_checksum(engine, zero_stage: int) -> float:
     return float(total)
 
 
-def train_on_experience(trainer, exp_dataset, unsup_dataset, args) -> dict:
-    """``--ppo_epochs`` passes over one round's micro-batches; mean losses and trained-row counts (this rank)."""
+def train_on_experience(trainer, exp_dataset, unsup_dataset, ppo_epochs: int) -> dict:
+    """``ppo_epochs`` passes over one round's micro-batches; mean losses and trained-row counts (this rank)."""
     actor_sum = critic_sum = unsup_sum = 0.0
     iters = actor_rows = critic_rows = 0
     paired = unsup_dataset if unsup_dataset is not None else [None] * len(exp_dataset)
-    for _ in range(args.ppo_epochs):
+    for _ in range(ppo_epochs):
         for exp, unsup in zip(exp_dataset, paired):
             actor_loss, critic_loss = trainer.train_rlhf(exp)
             actor_sum, critic_sum = actor_sum + actor_loss.item(), critic_sum + critic_loss.item()
             rows = exp["input_ids"].shape[0]
             actor_rows, critic_rows = actor_rows + rows, critic_rows + rows
             if unsup is not None:
-                unsup_sum += trainer.train_unsupervised(unsup, args.unsup_coef).item()
+                unsup_sum += trainer.train_unsupervised(unsup).item()
                 actor_rows += unsup["input_ids"].shape[0]
             trainer.update_ema()
             iters += 1
@@ -264,7 +245,7 @@ def train_on_experience(trainer, exp_dataset, unsup_dataset, args) -> dict:
 
 def all_reduce_stats(stats: dict, losses: dict) -> dict:
     """Rank-averaged step metrics from per-rank experience sums and losses."""
-    from utils.utils import get_all_reduce_mean
+    from utils.distributed import get_all_reduce_mean
 
     keys = ("kept", "reward_sum", "kl_sum", "answer_len_sum")
     values = torch.tensor([float(stats[k]) for k in keys] + [losses["actor_loss"], losses["critic_loss"],
@@ -277,17 +258,15 @@ def all_reduce_stats(stats: dict, losses: dict) -> dict:
             "critic_loss": critic, "unsup_loss": unsup}
 
 
-def throughput_constants(args, engine) -> dict:
+def throughput_constants(config, engine) -> dict:
     """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference) and model sizes."""
-    from utils.perf import count_parameters, model_shape
-
-    constants = {"bytes_per_param": 4 if args.dtype == "fp32" else 2}
-    for role, model in (("actor", engine.actor.module), ("critic", engine.critic.module)):
-        factor = 4.0 if getattr(args, f"{role}_gradient_checkpointing") else 3.0
-        lora_dim = getattr(args, f"{role}_lora_dim")
-        if lora_dim > 0:
-            factor -= 1 - 2 * lora_dim / model_shape(model.config)[1]
-        constants.update({f"{role}_factor": factor, f"{role}_params": count_parameters(model)})
+    constants = {"bytes_per_param": 4 if config.dtype == "fp32" else 2}
+    for name, role, model in (("actor", config.actor, engine.actor.module), ("critic", config.critic,
+                                                                             engine.critic.module)):
+        factor = 4.0 if role.gradient_checkpointing else 3.0
+        if role.lora_dim > 0:
+            factor -= 1 - 2 * role.lora_dim / model_shape(model.config)[1]
+        constants.update({f"{name}_factor": factor, f"{name}_params": count_parameters(model)})
     return constants
 
 
@@ -296,51 +275,34 @@ def _add_stats(total: dict | None, new: dict) -> dict:
 
 
 def main(args):
-    from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
-                                                   ExponentialMovingAverage, MiniDataset, step3_throughput,
-                                                   summarize_experience, throughput_lines)
-    from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
-    from utils.checkpoint import CheckpointManager, ModuleState
-    from utils.compat import check_zero_combination
-    from utils.errors import check_finite
-    from utils.logger import TrainLogger
-    from utils.model.critic import save_reward_model
-    from utils.model.model_utils import load_hf_tokenizer, save_hf_format
-    from utils.perf import throughput_due
-    from utils.preflight import check_actor_and_critic, check_output_dir_writable, prepare_output_dir
-    from utils.summary import head_tail_window
-    from utils.utils import get_world_size, init_distributed, resolve_dtype, set_random_seed, to_device
-
-    # ---- set-up: checks, distributed, precision
+    # ---- fail fast on bad flags, model folders and data, before any set-up
     validate_step3(args)
     check_zero_combination(args)
-    check_critic_folder(args.critic_model_name_or_path)
-    check_output_dir_writable(args.output_dir)
-    check_actor_and_critic(args)
-    prepare_output_dir(args)
-    device = init_distributed(args)
-    resolve_dtype(args)
-    mixing = unsupervised_enabled(args)
-    args.gradient_accumulation_steps_actor = args.gradient_accumulation_steps * (2 if mixing else 1)
-    set_random_seed(args.seed)
-    log = TrainLogger("step3_model", args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
+              reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}, phase=3,
+              length=(args.max_prompt_seq_len + args.max_answer_seq_len,
+                      "--max_prompt_seq_len + --max_answer_seq_len"))
+
+    # ---- set-up: distributed, precision, seed, logger; the configuration of engines, PPO and generation
+    device, log = start_run(args, "step3_model")
+    config = Step3Config.from_args(args, args.dtype)
     if args.align_overflow and args.dtype != "fp16":
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
-        args.align_overflow = False
 
     # ---- tokenizer, data, models
     eot = args.eot_token if args.add_eot_token else None
     tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, add_special_tokens=eot,
                                   trust_remote_code=args.trust_remote_code)
     prompt_loader, unsup_loader, ppo_steps, total_iters = create_datasets(args, tokenizer, log)
-    engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer, args,
-                                 num_total_iters=total_iters)
-    trainer = (DeepSpeedPPOTrainerUnsupervised if mixing else DeepSpeedPPOTrainer)(engine, args, log.info)
-    ref_checksum = parameter_checksum(engine.ref, args.actor_zero_stage)
+    mixing = config.unsupervised
+    engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
+    trainer = (DeepSpeedPPOTrainerUnsupervised if mixing else DeepSpeedPPOTrainer)(engine, config.ppo,
+                                                                                   config.generation, log.info)
+    ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
     exp_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     unsup_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
 
-    perf_constants = throughput_constants(args, engine)
+    perf_constants = throughput_constants(config.engine, engine)
     ema_reward = ExponentialMovingAverage()
     history, ppo_step, gen_step, dropped_logged = [], 0, 0, 0
     start_epoch, skip_batches = 0, 0
@@ -402,7 +364,7 @@ def main(args):
             # ---- one PPO step on the collected experience
             ppo_step += 1
             train_start = time.time()
-            losses = train_on_experience(trainer, exp_dataset, unsup_dataset, args)
+            losses = train_on_experience(trainer, exp_dataset, unsup_dataset, config.ppo.ppo_epochs)
             train_time = time.time() - train_start
             metrics = all_reduce_stats(stats, losses)
             check_finite(ppo_step, actor_loss=metrics["actor_loss"], critic_loss=metrics["critic_loss"],
@@ -437,7 +399,7 @@ def main(args):
                 break
 
     # ---- summary
-    ref_unchanged = parameter_checksum(engine.ref, args.actor_zero_stage) == ref_checksum
+    ref_unchanged = parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = {"steps": ppo_step, "dropped_total": trainer.dropped_total, "ref_unchanged": ref_unchanged}
     if history:
         first, last = history[0], history[-1]

@@ -35,7 +35,7 @@ import torch
 from utils.rl_math import (actor_loss, answer_action_mask, approx_kl, causal_lm_loss, count_real_answer_tokens,
                            critic_loss, ema_update, gae_advantages_and_returns, gather_log_probs,
                            kl_penalized_rewards, sequence_action_mask)
-from utils.utils import get_all_reduce_mean, get_world_size
+from utils.distributed import get_all_reduce_mean, get_world_size
 
 
 class MiniDataset:
@@ -94,8 +94,6 @@ class ExponentialMovingAverage:
         self.ema = self.alpha * prev + (1.0 - self.alpha) * value
         return self.ema
 
-    def get(self) -> float:
-        return 0.0 if self.ema is None else self.ema
 
 
 @contextlib.contextmanager
@@ -135,13 +133,12 @@ def summarize_experience(exp: dict) -> dict:
 class DeepSpeedPPOTrainer:
     """PPO on a :class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine` (or anything with the same fields).
 
-    PPO constants come from ``args``: ``kl_ctl``, ``clip_reward_value``, ``cliprange``,
-    ``cliprange_value``, ``gamma``, ``lam``; generation from ``max_answer_seq_len``,
-    ``do_sample``, ``temperature``, ``top_k``, ``top_p``.
+    ``ppo`` (:class:`~step3_rlhf_finetuning.config.PPOConfig`) holds the update's constants, ``generation``
+    (:class:`~step3_rlhf_finetuning.config.GenerationConfig`) how answers are generated.
     """
 
-    def __init__(self, rlhf_engine, args, log=None):
-        from utils.utils import print_rank_0
+    def __init__(self, rlhf_engine, ppo, generation, log=None):
+        from utils.distributed import print_rank_0
 
         self.log = log or print_rank_0  # main passes its TrainLogger's info
         self.rlhf_engine = rlhf_engine
@@ -150,16 +147,17 @@ class DeepSpeedPPOTrainer:
         self.ref_model = rlhf_engine.ref
         self.reward_model = rlhf_engine.reward
         self.tokenizer = rlhf_engine.tokenizer
-        self.args = args
-        self.max_answer_seq_len = args.max_answer_seq_len
+        self.ppo = ppo
+        self.generation = generation
+        self.max_answer_seq_len = generation.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.eos_token_id = end_of_answer_token_id(self.tokenizer, args)
-        self.z3_enabled = args.actor_zero_stage == 3
+        self.eos_token_id = end_of_answer_token_id(self.tokenizer, generation.eot_token)
+        self.actor_zero_stage = self.actor_model.zero_optimization_stage()
+        self.z3_enabled = self.actor_zero_stage == 3
         self.hybrid_engine = getattr(rlhf_engine, "hybrid_engine_active", False)
-        self.generator = self._make_generator(getattr(args, "generation_backend", "auto"))
-        self.compute_fp32_loss = getattr(args, "compute_fp32_loss", False)
+        self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
-        self.temperature = args.temperature if getattr(args, "do_sample", False) else 1.0
+        self.temperature = generation.logprob_temperature
         self.dropped_total = 0  # answers dropped so far, all ranks
         # timing of the last generate_experience call (seconds; tokens actually generated per row)
         self.generate_time = self.experience_time = 0.0
@@ -177,29 +175,28 @@ class DeepSpeedPPOTrainer:
             self.generation_backend = "hybrid-engine"
             self.log("generation: DeepSpeed hybrid engine")
             return None
-        backend, why = choose_backend(requested, self.actor_model.module, self.args.actor_zero_stage)
+        backend, why = choose_backend(requested, self.actor_model.module, self.actor_zero_stage)
         self.generation_backend = backend
         self.log(f"generation: {backend} backend" + (f" ({why})" if why else ""))
         if backend == "hf":
             return None
-        return StaticGenerator(self.actor_model.module, self.args.max_prompt_seq_len, self.max_answer_seq_len,
+        return StaticGenerator(self.actor_model.module, self.generation.max_prompt_seq_len, self.max_answer_seq_len,
                                self.eos_token_id, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id."""
-        args = self.args
-        do_sample = bool(getattr(args, "do_sample", False))
+        gen = self.generation
         with torch.no_grad():
             if self.generator is not None:
-                seq = self.generator.generate(prompts, mask, do_sample=do_sample, temperature=args.temperature,
-                                              top_k=args.top_k, top_p=args.top_p)
+                seq = self.generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
+                                              top_k=gen.top_k, top_p=gen.top_p)
             else:
                 kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
                               pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
-                              synced_gpus=self.z3_enabled, use_cache=True, do_sample=do_sample)
-                if do_sample:
-                    kwargs.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+                              synced_gpus=self.z3_enabled, use_cache=True, do_sample=gen.do_sample)
+                if gen.do_sample:
+                    kwargs.update(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
                 else:
                     kwargs.update(temperature=None, top_k=None, top_p=None)
                 # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
@@ -208,8 +205,8 @@ class DeepSpeedPPOTrainer:
         return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id)
 
     def _print_answers(self, prompts, answers, step: int) -> None:
-        args = self.args
-        if getattr(args, "print_answers", False) and step % max(args.print_answers_interval, 1) == 0:
+        gen = self.generation
+        if gen.print_answers and step % max(gen.print_answers_interval, 1) == 0:
             decode = self.tokenizer.batch_decode
             self.log(f"--- prompt --> step={step}, {decode(prompts, skip_special_tokens=True)}")
             self.log(f"--- ans    --> step={step}, {decode(answers, skip_special_tokens=True)}")
@@ -263,30 +260,30 @@ class DeepSpeedPPOTrainer:
     def compute_rewards(self, exp: dict) -> torch.Tensor:
         """``[B, T−1]`` per-action rewards: −kl_ctl·(logπ_old − logπ_ref), clipped score on the last action."""
         return kl_penalized_rewards(exp["logprobs"], exp["ref_logprobs"], exp["rewards"], exp["action_mask"],
-                                    self.args.kl_ctl, self.args.clip_reward_value)
+                                    self.ppo.kl_ctl, self.ppo.clip_reward_value)
 
     def train_rlhf(self, inputs: dict):
         """One PPO update of actor and critic on an experience micro-batch; returns (actor_loss, critic_loss)."""
-        args = self.args
+        ppo = self.ppo
         seq, attention_mask, action_mask = inputs["input_ids"], inputs["attention_mask"], inputs["action_mask"]
         start = inputs["prompts"].shape[1] - 1
         old_values = inputs["value"]
         with torch.no_grad():
             rewards = self.compute_rewards(inputs)
-            advantages, returns = gae_advantages_and_returns(old_values, rewards, action_mask, args.gamma, args.lam,
+            advantages, returns = gae_advantages_and_returns(old_values, rewards, action_mask, ppo.gamma, ppo.lam,
                                                              start)
         mask = action_mask[:, start:]
 
         logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
-        policy_loss = actor_loss(logprobs[:, start:], inputs["logprobs"][:, start:], advantages, mask, args.cliprange)
+        policy_loss = actor_loss(logprobs[:, start:], inputs["logprobs"][:, start:], advantages, mask, ppo.cliprange)
         self.actor_model.backward(policy_loss)
-        if not args.align_overflow:
+        if not ppo.align_overflow:
             self.actor_model.step()
 
         values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-        value_loss = critic_loss(values[:, start:], old_values[:, start:], returns, mask, args.cliprange_value)
+        value_loss = critic_loss(values[:, start:], old_values[:, start:], returns, mask, ppo.cliprange_value)
         self.critic_model.backward(value_loss)
-        if args.align_overflow:
+        if ppo.align_overflow:
             self._align_overflow()
             self.actor_model.step()
         self.critic_model.step()
@@ -304,9 +301,9 @@ class DeepSpeedPPOTrainer:
             self.log(f"OVERFLOW (actor: {actor_overflow}, critic: {critic_overflow}): "
                          "skipping both actor and critic steps")
 
-    def update_ema(self, beta: float = 0.992) -> None:
-        """θ_ema ← β·θ_ema + (1−β)·θ_actor (ZeRO-3 parameters gathered; the update is kept)."""
-        ema = self.rlhf_engine.actor_ema
+    def update_ema(self) -> None:
+        """θ_ema ← β·θ_ema + (1−β)·θ_actor, β = ``ppo.ema_beta`` (ZeRO-3 parameters gathered; the update is kept)."""
+        ema, beta = self.rlhf_engine.actor_ema, self.ppo.ema_beta
         if ema is None:
             return
         params, ema_params = list(self.actor_model.module.parameters()), list(ema.module.parameters())
@@ -334,22 +331,24 @@ class DeepSpeedPPOTrainer:
 class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
     """PPO plus the actor's LM loss on unsupervised text (``--unsupervised_dataset_name``)."""
 
-    def train_unsupervised(self, inputs: dict, unsup_coef: float) -> torch.Tensor:
-        """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}``; returns the (unscaled) loss."""
+    def train_unsupervised(self, inputs: dict) -> torch.Tensor:
+        """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}``, weighted by
+        ``ppo.unsup_coef``; returns the (unscaled) loss."""
         logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                   use_cache=False).logits
-        loss = causal_lm_loss(logits, inputs["labels"], self.compute_fp32_loss)
-        self.actor_model.backward(unsup_coef * loss)
+        loss = causal_lm_loss(logits, inputs["labels"], self.ppo.compute_fp32_loss)
+        self.actor_model.backward(self.ppo.unsup_coef * loss)
         self.actor_model.step()
         return loss.detach()
 
 
 # ---------------------------------------------------------------------- helpers
 
-def end_of_answer_token_id(tokenizer, args) -> int:
-    """The token that ends an answer: ``--eot_token`` when it was added as a special token, else EOS."""
-    if getattr(args, "add_eot_token", False):
-        ids = tokenizer.convert_tokens_to_ids([args.eot_token])
+def end_of_answer_token_id(tokenizer, eot_token: str | None = None) -> int:
+    """The token that ends an answer: ``eot_token`` (``--eot_token`` when ``--add_eot_token`` added it as a
+    special token) if the tokenizer knows it, else EOS."""
+    if eot_token is not None:
+        ids = tokenizer.convert_tokens_to_ids([eot_token])
         if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
             return int(ids[0])
     return int(tokenizer.eos_token_id)

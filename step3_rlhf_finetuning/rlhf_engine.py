@@ -14,8 +14,9 @@ reward      step-2 folder           eval: ZeRO 3 iff the critic's is 3, else 0;
 ==========  ======================  =========================================================
 
 With unsupervised mixing the actor accumulates twice as many micro-batches per
-optimizer step (``args.gradient_accumulation_steps_actor``), so the PPO and the LM
-gradient of a micro-batch share one update, as in DeepSpeed-Chat.
+optimizer step (:attr:`RoleConfig.grad_accum <step3_rlhf_finetuning.config.RoleConfig>`),
+so the PPO and the LM gradient of a micro-batch share one update, as in DeepSpeed-Chat.
+The frozen copies' stage follows :func:`utils.training.frozen_stage`.
 
 ``--enable_hybrid_engine`` turns DeepSpeed's hybrid engine on only where it can
 accelerate the actor (:func:`hybrid_engine_support`); otherwise step 3 says why once
@@ -26,9 +27,11 @@ from __future__ import annotations
 import inspect
 import time
 
-from utils.ds_utils import create_optimizer, get_eval_ds_config, get_train_ds_config, set_batch_sizes
+from utils.distributed import print_rank_0
 from utils.errors import UserInputError
-from utils.utils import get_world_size, on_cpu, print_rank_0
+from utils.lora import apply_lora
+from utils.runtime import on_cpu
+from utils.training import frozen_ds_config, frozen_stage, make_engine, train_ds_config
 
 
 def _log_init(name: str, start: float | None = None) -> float:
@@ -37,11 +40,6 @@ def _log_init(name: str, start: float | None = None) -> float:
     else:
         print_rank_0(f"[end] initialized {name} model ({time.time() - start:.2f}s)")
     return time.time()
-
-
-def enable_gradient_checkpointing(engine) -> None:
-    """Activation checkpointing of an engine's model (HF model or RewardModel)."""
-    engine.module.gradient_checkpointing_enable()
 
 
 def hybrid_engine_support(model) -> tuple[bool, str]:
@@ -74,58 +72,32 @@ def hybrid_engine_support(model) -> tuple[bool, str]:
 
 
 class DeepSpeedRLHFEngine:
-    """Builds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic`` and ``reward`` engines (see module docstring)."""
+    """Builds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic`` and ``reward`` engines (see module docstring)
+    from an :class:`~step3_rlhf_finetuning.config.EngineConfig`; ``num_total_iters`` is the length of both
+    learning-rate schedules."""
 
-    def __init__(self, actor_model_name_or_path, critic_model_name_or_path, tokenizer, args, num_total_iters):
-        self.args = args
+    def __init__(self, config, tokenizer, num_total_iters: int):
+        self.config = config
         self.tokenizer = tokenizer
         self.num_total_iters = num_total_iters
         self.hybrid_engine_active = False  # set by _init_actor
-        self.actor = self._init_actor(actor_model_name_or_path)
-        self.ref = self._init_frozen_actor(actor_model_name_or_path, "ref", lora=False)
-        self.actor_ema = (self._init_frozen_actor(actor_model_name_or_path, "EMA", lora=True)
-                          if args.enable_ema else None)
-        self.critic = self._init_critic(critic_model_name_or_path)
-        self.reward = self._init_reward(critic_model_name_or_path)
+        self.actor = self._init_actor()
+        self.ref = self._init_frozen_actor("ref", lora=False)
+        self.actor_ema = self._init_frozen_actor("EMA", lora=True) if config.enable_ema else None
+        self.critic = self._init_critic()
+        self.reward = self._init_reward()
 
     # ------------------------------------------------------------------ helpers
 
-    def _batch(self, ds_config: dict, grad_accum: int) -> dict:
-        return set_batch_sizes(ds_config, self.args.per_device_training_batch_size, get_world_size(), grad_accum)
+    def _lora(self, model, role, force_optimize=()):
+        return apply_lora(model, role.lora_module_name, role.lora_dim, self.config.only_optimize_lora, force_optimize)
 
-    def _lora(self, model, role: str, force_optimize=()):
-        """Role's LoRA (``--{role}_lora_dim``) and ``--only_optimize_lora``."""
-        from utils.module.lora import (convert_linear_layer_to_lora, make_model_gradient_checkpointing_compatible,
-                                       only_optimize_lora_parameters)
-
-        dim = getattr(self.args, f"{role}_lora_dim")
-        if dim > 0:
-            convert_linear_layer_to_lora(model, getattr(self.args, f"{role}_lora_module_name"), dim)
-            if self.args.only_optimize_lora:
-                only_optimize_lora_parameters(model, force_optimize)
-                make_model_gradient_checkpointing_compatible(model)
-        return model
-
-    def _initialize(self, model, ds_config: dict, role: str | None = None):
-        """``deepspeed.initialize``; with ``role``, also the role's optimizer and LR schedule."""
-        import deepspeed
-        from transformers import get_scheduler
-
-        optimizer = lr_scheduler = None
-        if role is not None:
-            args = self.args
-            optimizer = create_optimizer(model, getattr(args, f"{role}_weight_decay"),
-                                         getattr(args, f"{role}_learning_rate"),
-                                         getattr(args, f"{role}_lora_learning_rate"), args.offload)
-            lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                         num_warmup_steps=args.num_warmup_steps,
-                                         num_training_steps=self.num_total_iters)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                          config=ds_config)
-        return engine
+    def _frozen_config(self, role) -> dict:
+        return frozen_ds_config(self.config.dtype, role.zero_stage, role.offload_frozen, self.config.micro_batch,
+                                role.grad_accum)
 
     def _check_length(self, model) -> None:
-        needed = self.args.max_prompt_seq_len + self.args.max_answer_seq_len
+        needed = self.config.max_seq_len
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and needed > limit:
             raise UserInputError(f"--max_prompt_seq_len + --max_answer_seq_len = {needed} exceeds the actor's "
@@ -133,25 +105,23 @@ class DeepSpeedRLHFEngine:
 
     # ------------------------------------------------------------------ models
 
-    def _init_actor(self, path: str):
+    def _init_actor(self):
         from transformers import AutoModelForCausalLM
 
         from utils.model.model_utils import create_hf_model
 
-        start, args = _log_init("actor"), self.args
-        ds_config = get_train_ds_config(
-            offload=args.offload, dtype=args.dtype, stage=args.actor_zero_stage,
-            enable_hybrid_engine=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
-            release_inference_cache=args.release_inference_cache, pin_parameters=not args.unpin_actor_parameters,
-            tp_gather_partition_size=args.tp_gather_partition_size,
-            max_out_tokens=args.max_prompt_seq_len + args.max_answer_seq_len,
-            enable_tensorboard=args.enable_tensorboard, enable_mixed_precision_lora=args.enable_mixed_precision_lora,
-            tb_path=args.tensorboard_path, tb_name="step3_actor")
-        self._batch(ds_config, args.gradient_accumulation_steps_actor)
-        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config, dropout=args.actor_dropout,
-                                trust_remote_code=args.trust_remote_code)
+        start, config, actor, hybrid = _log_init("actor"), self.config, self.config.actor, self.config.hybrid
+        ds_config = train_ds_config(
+            config.dtype, actor.zero_stage, config.offload, config.micro_batch, actor.grad_accum,
+            tensorboard_path=config.tensorboard_path, tb_name="step3_actor",
+            enable_hybrid_engine=hybrid.enabled, inference_tp_size=hybrid.inference_tp_size,
+            release_inference_cache=hybrid.release_inference_cache, pin_parameters=hybrid.pin_parameters,
+            tp_gather_partition_size=hybrid.tp_gather_partition_size, max_out_tokens=config.max_seq_len,
+            enable_mixed_precision_lora=hybrid.mixed_precision_lora)
+        model = create_hf_model(AutoModelForCausalLM, actor.model_name_or_path, self.tokenizer, ds_config,
+                                dropout=actor.dropout, trust_remote_code=config.trust_remote_code)
         self._check_length(model)
-        if args.enable_hybrid_engine:
+        if hybrid.enabled:
             usable, why = hybrid_engine_support(model)
             if usable and on_cpu():
                 usable, why = False, f"{why}, but its kernels need a GPU"
@@ -160,64 +130,57 @@ class DeepSpeedRLHFEngine:
             print_rank_0(f"--enable_hybrid_engine: {why}; "
                          + ("generating with DeepSpeed's inference kernels" if usable else
                             "generating with the project's own path instead (--generation_backend)"))
-        engine = self._initialize(self._lora(model, "actor"), ds_config, role="actor")
-        if args.enable_mixed_precision_lora:
+        engine = make_engine(self._lora(model, actor), ds_config, actor.optim, self.num_total_iters,
+                             actor.gradient_checkpointing)
+        if hybrid.mixed_precision_lora:
             engine.optimizer.quantize_nontrainable_params()
             print_rank_0("Mixed Precision ZeRO++ enabled")
-        if args.actor_gradient_checkpointing:
-            enable_gradient_checkpointing(engine)
         _log_init("actor", start)
         return engine
 
-    def _init_frozen_actor(self, path: str, name: str, lora: bool):
-        """The reference model or the EMA copy: an eval engine of the step-1 model."""
+    def _init_frozen_actor(self, name: str, lora: bool):
+        """The reference model or the EMA copy: a frozen engine of the step-1 model."""
         from transformers import AutoModelForCausalLM
 
         from utils.model.model_utils import create_hf_model
 
-        start, args = _log_init(name), self.args
-        stage = 3 if args.actor_zero_stage == 3 else 0
-        ds_config = self._batch(get_eval_ds_config(args.offload_reference_model, args.dtype, stage),
-                                args.gradient_accumulation_steps_actor)
-        model = create_hf_model(AutoModelForCausalLM, path, self.tokenizer, ds_config,
-                                trust_remote_code=args.trust_remote_code)
-        if lora and args.actor_lora_dim > 0:  # same parameter list as the actor, for the EMA update
-            self._lora(model, "actor")
-        engine = self._initialize(model, ds_config)
+        start, actor = _log_init(name), self.config.actor
+        ds_config = self._frozen_config(actor)
+        model = create_hf_model(AutoModelForCausalLM, actor.model_name_or_path, self.tokenizer, ds_config,
+                                trust_remote_code=self.config.trust_remote_code)
+        if lora:  # same parameter list as the actor, for the EMA update
+            self._lora(model, actor)
+        engine = make_engine(model, ds_config)
         _log_init(name, start)
         return engine
 
-    def _init_critic(self, path: str):
+    def _init_critic(self):
+        from utils.ds_utils import get_eval_ds_config
         from utils.model.critic import create_critic_model
 
-        start, args = _log_init("critic"), self.args
-        ds_config = self._batch(get_train_ds_config(offload=args.offload, dtype=args.dtype,
-                                                    stage=args.critic_zero_stage,
-                                                    enable_tensorboard=args.enable_tensorboard,
-                                                    tb_path=args.tensorboard_path, tb_name="step3_critic"),
-                                args.gradient_accumulation_steps)
-        model_config = self._batch(get_eval_ds_config(False, args.dtype, args.critic_zero_stage),
-                                   args.gradient_accumulation_steps)
-        model = create_critic_model(path, self.tokenizer, model_config, args.num_padding_at_beginning,
-                                    rlhf_training=True, dropout=args.critic_dropout,
-                                    zero_stage=args.critic_zero_stage, trust_remote_code=args.trust_remote_code)
+        start, config, critic = _log_init("critic"), self.config, self.config.critic
+        ds_config = train_ds_config(config.dtype, critic.zero_stage, config.offload, config.micro_batch,
+                                    critic.grad_accum, tensorboard_path=config.tensorboard_path,
+                                    tb_name="step3_critic")
+        model = create_critic_model(critic.model_name_or_path, self.tokenizer,
+                                    get_eval_ds_config(False, config.dtype, critic.zero_stage),
+                                    config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
+                                    zero_stage=critic.zero_stage, trust_remote_code=config.trust_remote_code)
         # unlike the reference, --only_optimize_lora keeps the value head trainable
-        engine = self._initialize(self._lora(model, "critic", force_optimize=("v_head",)), ds_config, role="critic")
-        if args.critic_gradient_checkpointing:
-            enable_gradient_checkpointing(engine)
+        engine = make_engine(self._lora(model, critic, force_optimize=("v_head",)), ds_config, critic.optim,
+                             self.num_total_iters, critic.gradient_checkpointing)
         _log_init("critic", start)
         return engine
 
-    def _init_reward(self, path: str):
+    def _init_reward(self):
         from utils.model.critic import create_critic_model
 
-        start, args = _log_init("reward"), self.args
-        stage = 3 if args.critic_zero_stage == 3 else 0
-        ds_config = self._batch(get_eval_ds_config(args.offload_reward_model, args.dtype, stage),
-                                args.gradient_accumulation_steps)
-        model = create_critic_model(path, self.tokenizer, ds_config, args.num_padding_at_beginning,
-                                    rlhf_training=True, dropout=args.critic_dropout, zero_stage=stage,
-                                    trust_remote_code=args.trust_remote_code)
-        engine = self._initialize(model, ds_config)
+        start, config, critic = _log_init("reward"), self.config, self.config.critic
+        ds_config = self._frozen_config(critic)
+        model = create_critic_model(critic.model_name_or_path, self.tokenizer, ds_config,
+                                    config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
+                                    zero_stage=frozen_stage(critic.zero_stage),
+                                    trust_remote_code=config.trust_remote_code)
+        engine = make_engine(model, ds_config)
         _log_init("reward", start)
         return engine

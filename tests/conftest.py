@@ -59,7 +59,7 @@ def deepspeed_ops_built():
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shm_buffers():
     """Remove the DeepSpeed CPU all-reduce buffers (66 MB of RAM each, in /dev/shm) that runs killed
-    on purpose (SIGKILL tests) could not unlink; clean runs unlink their own (utils.utils)."""
+    on purpose (SIGKILL tests) could not unlink; clean runs unlink their own (utils.distributed)."""
     import glob
 
     pattern = "/dev/shm/deepspeed_allreduce_buffer_*"

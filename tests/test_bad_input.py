@@ -242,7 +242,7 @@ def test_read_only_output_folder_is_refused_before_training(tmp_path, monkeypatc
 
 
 def test_full_disk_while_saving_a_model_leaves_the_old_folder(tmp_path):
-    from utils.utils import atomic_directory
+    from utils.files import atomic_directory
 
     out = tmp_path / "actor"
     out.mkdir()
@@ -260,13 +260,13 @@ def test_safetensors_write_failure_is_a_write_failure(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from utils.utils import is_write_failure
+    from utils.files import is_write_failure
 
     def write_big():
         save_file({"w": torch.zeros(1_000_000)}, str(tmp_path / "w.safetensors"))
 
     code = ("import resource, sys, torch; sys.path.insert(0, %r)\n"
-            "from safetensors.torch import save_file\nfrom utils.utils import is_write_failure\n"
+            "from safetensors.torch import save_file\nfrom utils.files import is_write_failure\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
             "try:\n    save_file({'w': torch.zeros(1000000)}, %r)\n"
             "except Exception as e:\n    print(type(e).__name__, is_write_failure(e))\n") % (str(REPO),
@@ -358,19 +358,20 @@ def test_a_small_dataset_without_eval_rows_is_refused_for_steps_1_and_2(tmp_path
 
 
 def test_vocabularies_must_match_unless_allowed(reward_folder, llama_reward_folder):
-    from utils.preflight import check_actor_and_critic, check_shared_vocabulary
+    from utils.preflight import check_shared_vocabulary, preflight
 
     check_shared_vocabulary("tiny-opt", str(reward_folder))
     with pytest.raises(UserInputError, match=r"tiny-opt \(669 tokens\) and --critic_model_name_or_path .* \(671 "
                                              r"tokens\) disagree on \d+ tokens"):
         check_shared_vocabulary("tiny-opt", str(llama_reward_folder))
-    args = SimpleNamespace(actor_model_name_or_path="tiny-opt", critic_model_name_or_path=str(llama_reward_folder),
-                           max_prompt_seq_len=16, max_answer_seq_len=8, trust_remote_code=False,
-                           allow_vocab_mismatch=False)
+    args = SimpleNamespace(output_dir=None, trust_remote_code=False, allow_vocab_mismatch=False)
+    step3_models = dict(causal_lms={"--actor_model_name_or_path": "tiny-opt"},
+                        reward_models={"--critic_model_name_or_path": str(llama_reward_folder)},
+                        length=(24, "--max_prompt_seq_len + --max_answer_seq_len"), data=False)
     with pytest.raises(UserInputError, match="--allow_vocab_mismatch"):
-        check_actor_and_critic(args)
+        preflight(args, **step3_models)
     args.allow_vocab_mismatch = True
-    check_actor_and_critic(args)  # the user asked for it explicitly
+    preflight(args, **step3_models)  # the user asked for it explicitly
 
 
 def test_damaged_weights_and_file_paths_are_named(tmp_path):
@@ -465,7 +466,7 @@ def test_empty_dataset_name_and_empty_data_path():
 
 def test_gpu_out_of_memory_is_one_line_with_the_remedies(capsys):
     # a model too large for the GPU ends in torch.OutOfMemoryError (at load, initialize or the first step)
-    from utils.utils import OUT_OF_MEMORY, run_main
+    from utils.entrypoint import OUT_OF_MEMORY, run_main
 
     def main(args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "

@@ -115,7 +115,7 @@ def test_tiny_opt_groups_with_lora():
     from transformers import AutoModelForCausalLM
 
     from utils.model.model_utils import create_hf_model, load_hf_tokenizer
-    from utils.module.lora import convert_linear_layer_to_lora
+    from utils.lora import convert_linear_layer_to_lora
 
     tok = load_hf_tokenizer("tiny-opt")
     model = create_hf_model(AutoModelForCausalLM, "tiny-opt", tok)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from utils.generation import StaticGenerator, choose_backend, lora_fused
 from utils.model.model_utils import load_hf_tokenizer
 from utils.model.tiny import resolve_model_path
-from utils.module.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
+from utils.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
 
 P, A = 10, 12
 
@@ -164,12 +164,13 @@ def test_trainer_generates_with_the_module_generate_under_an_active_hybrid_engin
     # DeepSpeed's hybrid engine replaces module.generate; the engine object itself has no usable
     # generate when no policy applied (the GPU crash: "'DeepSpeedHybridEngine' object has no attribute
     # '_generate'"). The trainer must call the module's, as DeepSpeed-Chat does.
+    from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig
     from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer
     from tests.test_ppo_trainer import EOS, PROMPT_MASK, PROMPTS, make_trainer
 
     _, engine = make_trainer([[3, 4, EOS], [3, 4, 5], [4, 3, EOS]], scores=[1.0, 2.0, 3.0])
     engine.hybrid_engine_active = True
-    trainer = DeepSpeedPPOTrainer(engine, make_trainer([[3]], [0.0], enable_hybrid_engine=True)[0].args)
+    trainer = DeepSpeedPPOTrainer(engine, PPOConfig(), GenerationConfig(max_answer_seq_len=4))
     assert trainer.generation_backend == "hybrid-engine" and trainer.generator is None
     assert not hasattr(engine.actor, "generate")  # like the engine in the crash
     exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)

@@ -1,4 +1,4 @@
-"""LoRA (utils/module/lora.py) on the tiny-opt model: a fresh LoRA model computes the
+"""LoRA (utils/lora.py) on the tiny-opt model: a fresh LoRA model computes the
 base model, fusing gives a plain Linear with the LoRA layer's output (also through
 save_hf_format + from_pretrained), parameter freezing, and bad module names."""
 import copy
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from utils.errors import UserInputError
-from utils.module.lora import (LinearLayer_LoRA, convert_linear_layer_to_lora, convert_lora_to_linear_layer,
+from utils.lora import (LinearLayer_LoRA, convert_linear_layer_to_lora, convert_lora_to_linear_layer,
                                make_model_gradient_checkpointing_compatible, only_optimize_lora_parameters,
                                unfuse_lora_weight)
 

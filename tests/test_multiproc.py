@@ -187,7 +187,7 @@ def assert_no_shm_buffer_left(result: RunResult) -> None:
     """DeepSpeed's CPU all-reduce buffers (66 MB of RAM per rank in /dev/shm) are unlinked at exit.
 
     Only the ``deepspeed`` launcher sets LOCAL_SIZE, which makes DeepSpeed create them (and never
-    unlink them: before ``utils.utils._remove_shm_buffer`` every such run left its buffers behind)."""
+    unlink them: before ``utils.distributed._remove_shm_buffer`` every such run left its buffers behind)."""
     import glob
 
     args = result.proc.args

@@ -5,7 +5,6 @@ correctly (masks, EOS with pad == eos, dropped answers, the PPO update's directi
 the reference left alone, EMA), MiniDataset, the throughput numbers, the
 unsupervised text packing and step 3's up-front argument checks.
 """
-import argparse
 import math
 from types import SimpleNamespace
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
 from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, MiniDataset,
                                                end_of_answer_token_id, pad_to_length, step3_throughput,
@@ -89,23 +89,20 @@ class FakeEngine(nn.Module):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-
-def ppo_args(**kw):
-    base = dict(max_answer_seq_len=4, actor_zero_stage=0, kl_ctl=0.1, clip_reward_value=5.0, cliprange=0.2,
-                cliprange_value=0.2, gamma=1.0, lam=0.95, align_overflow=False, do_sample=False, temperature=1.0,
-                top_k=0, top_p=1.0, print_answers=False, print_answers_interval=1, compute_fp32_loss=False,
-                add_eot_token=False, eot_token="<|endoftext|>", enable_hybrid_engine=False)
-    base.update(kw)
-    return argparse.Namespace(**base)
+    def zero_optimization_stage(self):
+        return 0
 
 
-def make_trainer(answers, scores, lr=0.5, ema=False, cls=DeepSpeedPPOTrainer, dropout=0.0, **kw):
+def make_trainer(answers, scores, lr=0.5, ema=False, cls=DeepSpeedPPOTrainer, dropout=0.0, ema_beta=0.992,
+                 unsup_coef=27.8, **generation):
+    """A trainer on fake engines; ``generation`` overrides :class:`GenerationConfig` fields (answers ≤ 4 tokens)."""
     tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None)
     engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr),
                              ref=FakeEngine(TinyLM()), critic=FakeEngine(FakeRewardModel(scores), lr=lr),
                              reward=FakeEngine(FakeRewardModel(scores)),
                              actor_ema=FakeEngine(TinyLM(seed=1)) if ema else None, tokenizer=tokenizer)
-    return cls(engine, ppo_args(**kw)), engine
+    ppo = PPOConfig(ema_beta=ema_beta, unsup_coef=unsup_coef)
+    return cls(engine, ppo, GenerationConfig(**{"max_answer_seq_len": 4, **generation})), engine
 
 
 # prompts: P = 3, left padded (row 1 has one pad; its BOS-like first token 2 = pad is visible per the mask)
@@ -225,20 +222,21 @@ def test_dropped_rows_give_no_gradient():
 
 
 def test_unsupervised_step_is_the_lm_loss_times_the_coefficient():
-    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, lr=0.1, cls=DeepSpeedPPOTrainerUnsupervised)
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, lr=0.1, cls=DeepSpeedPPOTrainerUnsupervised,
+                                   unsup_coef=2.0)
     ids = torch.tensor([[5, 6, 7, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     logits = engine.actor.module(ids).logits
     expected = nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
-    loss = trainer.train_unsupervised(batch, unsup_coef=2.0)
+    loss = trainer.train_unsupervised(batch)
     assert loss.item() == pytest.approx(expected)
 
 
 def test_ema_update_is_beta_weighted():
-    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, ema=True)
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, ema=True, ema_beta=0.9)
     actor = [p.detach().clone() for p in engine.actor.module.parameters()]
     ema = [p.detach().clone() for p in engine.actor_ema.module.parameters()]
-    trainer.update_ema(beta=0.9)
+    trainer.update_ema()
     for new, a, e in zip(engine.actor_ema.module.parameters(), actor, ema):
         assert_close(new.detach(), 0.9 * e + 0.1 * a)
 
@@ -261,8 +259,8 @@ def test_mini_dataset_collects_then_cuts_micro_batches():
 def test_pad_to_length_and_end_token():
     assert pad_to_length(torch.tensor([[1, 2]]), 4, 0).tolist() == [[1, 2, 0, 0]]
     tok = SimpleNamespace(eos_token_id=2, unk_token_id=9, convert_tokens_to_ids=lambda t: [7])
-    assert end_of_answer_token_id(tok, argparse.Namespace(add_eot_token=False)) == 2
-    assert end_of_answer_token_id(tok, argparse.Namespace(add_eot_token=True, eot_token="<eot>")) == 7
+    assert end_of_answer_token_id(tok) == 2
+    assert end_of_answer_token_id(tok, "<eot>") == 7
 
 
 def test_throughput_counts_unsupervised_rows_instead_of_a_batch_of_two():

@@ -134,7 +134,7 @@ def test_forward_and_forward_value_read_the_same_position_llama():
 # --------------------------------------------------------------------------- folders
 
 def test_save_load_round_trip_with_lora_fused(opt, tmp_path):
-    from utils.module.lora import convert_linear_layer_to_lora
+    from utils.lora import convert_linear_layer_to_lora
 
     _, tok = opt
     torch.manual_seed(1)

@@ -77,7 +77,7 @@ def test_lora_zero2_only_optimize_lora_trains_v_head(tmp_path):
 
     from utils.model.critic import create_critic_model
     from utils.model.model_utils import load_hf_tokenizer
-    from utils.utils import set_random_seed
+    from utils.runtime import set_random_seed
 
     out = tmp_path / "rm"
     proc = _ok(run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", "builtin/preference-small",

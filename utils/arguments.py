@@ -14,7 +14,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
-DTYPES = ["fp16", "bf16", "fp32"]
+DTYPES = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def add_data_args(parser: argparse.ArgumentParser):
@@ -58,20 +59,26 @@ def add_training_args(parser: argparse.ArgumentParser):
     g.add_argument("--per_device_eval_batch_size", type=int, default=16, help="Batch size per device (eval).")
     g.add_argument("--learning_rate", type=float, default=1e-3, help="Initial learning rate (after warm-up).")
     g.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay.")
-    g.add_argument("--num_train_epochs", type=int, default=1, help="Training epochs.")
-    g.add_argument("--max_steps", type=int, default=0,
-                   help="Stop after this many optimizer steps (0 = no limit; for smoke tests and demos).")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
-                   help="Micro batches per optimizer step.")
-    g.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
-                   help="Learning-rate schedule.")
-    g.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
-    g.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
-    g.add_argument("--seed", type=int, default=1234, help="Random seed.")
-    g.add_argument("--compute_fp32_loss", action="store_true",
-                   help="Compute the language-model loss in fp32 (relevant with bf16/fp16; a reward model's "
-                        "values and pairwise loss are always fp32).")
+    add_run_args(g)
     return g
+
+
+def add_run_args(group, unit: str = "optimizer steps", output: str = "the model",
+                 fp32_loss: str = "the language-model loss") -> None:
+    """The run's length, schedule, seed, output folder and loss precision: steps 1, 2 and DPO through
+    :func:`add_training_args`; step 3 directly, counting in PPO steps."""
+    group.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the training data.")
+    group.add_argument("--max_steps", type=int, default=0,
+                       help=f"Stop after this many {unit} (0 = no limit; for smoke tests and demos).")
+    group.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Micro batches per optimizer step.")
+    group.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULERS,
+                       help="Learning-rate schedule.")
+    group.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
+    group.add_argument("--output_dir", type=str, default=None, help=f"Where {output} is saved.")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
+    group.add_argument("--compute_fp32_loss", action="store_true",
+                       help=f"Compute {fp32_loss} in fp32 (relevant with bf16/fp16; a reward model's values and "
+                            "its losses are always fp32).")
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser):
@@ -80,7 +87,7 @@ def add_deepspeed_args(parser: argparse.ArgumentParser):
     g.add_argument("--offload", action="store_true", help="ZeRO-Offload parameters/optimizer to CPU.")
     g.add_argument("--dtype", type=str, default=None, choices=DTYPES,
                    help="Training precision (default fp16 on a GPU, fp32 on CPU; fp16 needs a GPU).")
-    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO optimisation stage.")
+    g.add_argument("--zero_stage", type=int, default=0, choices=ZERO_STAGES, help="ZeRO optimisation stage.")
     import deepspeed
 
     deepspeed.add_config_arguments(parser)
@@ -92,9 +99,34 @@ def add_lora_args(parser: argparse.ArgumentParser):
     g.add_argument("--lora_dim", type=int, default=0, help="LoRA rank; > 0 enables LoRA.")
     g.add_argument("--lora_module_name", type=str, default="decoder.layers.",
                    help="LoRA wraps nn.Linear layers whose name contains this.")
-    g.add_argument("--only_optimize_lora", action="store_true", help="Train only the LoRA factors.")
+    add_only_optimize_lora_arg(g)
     g.add_argument("--lora_learning_rate", type=float, default=5e-4, help="Learning rate of the LoRA factors.")
     return g
+
+
+def add_only_optimize_lora_arg(group) -> None:
+    group.add_argument("--only_optimize_lora", action="store_true",
+                       help="Train only the LoRA factors (a reward model or critic: and its value head).")
+
+
+def add_num_padding_arg(group) -> None:
+    """Steps 2 and 3: where a reward model reads its score depends on the tokenizer's leading pads."""
+    group.add_argument("--num_padding_at_beginning", type=int, default=1,
+                       help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
+
+
+def add_eval_args(group) -> None:
+    """Steps 2 and DPO: periodic evaluation on the eval split."""
+    group.add_argument("--eval_interval", type=int, default=0,
+                       help="Evaluate every this many optimizer steps (0 = only before training and after each "
+                            "epoch).")
+    group.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
+
+
+def add_offload_reference_arg(group) -> None:
+    """DPO and step 3: the frozen reference model (step 3: and the EMA actor) on the CPU."""
+    group.add_argument("--offload_reference_model", action="store_true",
+                       help="ZeRO-Offload the frozen reference model (step 3: and the EMA actor) to CPU.")
 
 
 def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str):
@@ -208,7 +240,7 @@ def add_rlhf_role_args(parser: argparse.ArgumentParser, role: str, learning_rate
     g.add_argument(f"--{role}_learning_rate", type=float, default=learning_rate,
                    help=f"Initial {role} learning rate (after warm-up).")
     g.add_argument(f"--{role}_weight_decay", type=float, default=0.0, help=f"{role} weight decay.")
-    g.add_argument(f"--{role}_zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
+    g.add_argument(f"--{role}_zero_stage", type=int, default=0, choices=ZERO_STAGES,
                    help=f"ZeRO stage of the {role} (its frozen copy — "
                         f"{'reference/EMA' if role == 'actor' else 'reward'} model — uses 3 if this is 3, else 0).")
     g.add_argument(f"--{role}_dropout", type=float, default=None,

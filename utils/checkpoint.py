@@ -63,7 +63,9 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from utils.errors import UserInputError
-from utils.utils import PROGRESS, barrier, get_rank, get_world_size, is_rank_0, is_write_failure
+from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
+from utils.entrypoint import PROGRESS
+from utils.files import is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"

@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple
 
+from utils.arguments import DTYPES, ZERO_STAGES
 from utils.errors import UserInputError
 
 # step id -> entry point (relative to the repository root)
@@ -25,10 +26,8 @@ STEPS = {
     "step2_dpo": "step2_dpo_finetuning/main.py",
     "step3": "step3_rlhf_finetuning/main.py",
 }
-ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD = (False, True)
 LORA = (False, True)
-DTYPES = ("fp32", "bf16", "fp16")
 ACCELERATORS = ("cpu", "gpu")
 
 
@@ -113,7 +112,7 @@ def check_zero_combination(args, accelerator: str | None = None) -> None:
     Call before ``init_distributed`` so every rank refuses before any collective.
     """
     if accelerator is None:
-        from utils.utils import on_cpu
+        from utils.runtime import on_cpu
 
         accelerator = "cpu" if on_cpu() else "gpu"
     dtype = args.dtype or ("fp32" if accelerator == "cpu" else "fp16")

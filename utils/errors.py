@@ -2,9 +2,16 @@
 
 Anything the user can fix (a bad flag, a missing column, an unknown dataset name)
 raises :class:`UserInputError` with a message naming the culprit. Entry points
-catch it in one place (``utils.utils.run_main``), print the message and exit 2, so
+catch it in one place (``utils.entrypoint.run_main``), print the message and exit 2, so
 users see one clear line instead of a traceback from deep inside a library.
 """
+
+
+# How an entry point ends (utils.entrypoint.run_main); train.py reads the same codes from its steps.
+BAD_INPUT = 2  # UserInputError: one line naming the flag, file or field
+DIVERGED = 3  # TrainingDiverged: a non-finite loss or reward, nothing new saved
+OUT_OF_MEMORY = 4  # the accelerator ran out of memory: one line naming the remedies
+INTERRUPTED = 130  # Ctrl-C (the shell's code for a process ended by SIGINT)
 
 
 class UserInputError(ValueError):

@@ -18,7 +18,7 @@ warpers and a caller-seeded ``torch.Generator`` when ``do_sample``. It stops onc
 row has ended (checked every ``check_every`` tokens); the returned sequence may then
 carry up to ``check_every − 1`` extra all-pad columns, which callers pad anyway.
 
-LoRA layers (:class:`utils.module.lora.LinearLayer_LoRA`) are fused into their base
+LoRA layers (:class:`utils.lora.LinearLayer_LoRA`) are fused into their base
 weights for the call and restored bit-exactly afterwards (a copy of the base weights
 is kept; fuse → unfuse in bf16 would drift). Parameters are updated in place by the
 optimizers, so the captured graph stays valid across PPO steps; if a parameter's
@@ -78,7 +78,7 @@ def choose_backend(requested: str, model, zero_stage: int = 0) -> tuple[str, str
 @contextlib.contextmanager
 def lora_fused(model):
     """Fuse every LoRA layer into its base weight for the block; restore the exact base weights after."""
-    from utils.module.lora import LinearLayer_LoRA
+    from utils.lora import LinearLayer_LoRA
 
     layers = [m for m in model.modules() if isinstance(m, LinearLayer_LoRA) and not m.fuse_lora]
     backups = [m.weight.detach().clone() for m in layers]

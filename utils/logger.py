@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from utils.utils import is_rank_0
+from utils.distributed import is_rank_0
 
 
 class TrainLogger:

@@ -115,8 +115,8 @@ def check_sequence_fits(flag: str, name_or_path: str, length: int, length_flags:
 
 
 def check_reward_model_path(flag: str, name_or_path: str) -> str:
-    """A step-2 output folder (marker or reward weights)."""
-    from utils.model.critic import check_reward_model_folder
+    """A step-2 output folder (marker, or reward weights with a value head)."""
+    from utils.model.critic import WEIGHTS_FILE, check_reward_model_folder, read_marker
     from utils.model.model_utils import resolve_model_name_or_path
 
     try:
@@ -124,6 +124,14 @@ def check_reward_model_path(flag: str, name_or_path: str) -> str:
     except UserInputError as e:
         raise UserInputError(f"{flag}: {e}") from None
     check_weights_readable(flag, folder)
+    weights = os.path.join(folder, WEIGHTS_FILE)
+    if read_marker(folder) is None and os.path.isfile(weights):
+        from safetensors import safe_open
+
+        with safe_open(weights, framework="pt") as f:
+            if "v_head.weight" not in f.keys():
+                raise UserInputError(f"{flag} {name_or_path}: {folder} is not a step-2 reward model folder (no "
+                                     "value head; is it a step-1 / plain HF folder?)")
     return folder
 
 
@@ -146,18 +154,6 @@ def check_shared_vocabulary(actor: str, critic: str, trust_remote_code: bool = F
                              f"{', '.join(map(repr, differ[:3]))}), so the reward model would score the wrong "
                              "tokens; train the reward model from the actor's tokenizer (or pass "
                              "--allow_vocab_mismatch to run anyway)")
-
-
-def check_actor_and_critic(args) -> None:
-    """Step 3's models: readable weights, room for prompt + answer, one vocabulary (unless allowed)."""
-    length, flags = args.max_prompt_seq_len + args.max_answer_seq_len, "--max_prompt_seq_len + --max_answer_seq_len"
-    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
-    check_reward_model_path("--critic_model_name_or_path", args.critic_model_name_or_path)
-    for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path"):
-        check_sequence_fits(flag, getattr(args, flag[2:]), length, flags)
-    if not args.allow_vocab_mismatch:
-        check_shared_vocabulary(args.actor_model_name_or_path, args.critic_model_name_or_path,
-                                args.trust_remote_code)
 
 
 def check_phase_share(data_split: str, phase: int, has_sft_only_data: bool = False) -> None:
@@ -254,22 +250,32 @@ def prepare_output_dir(args, log=print) -> None:
 
 
 def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[str, str] = (),
-              phase: Optional[int] = None, data: bool = True) -> None:
+              phase: Optional[int] = None, data: bool = True, length: Optional[tuple] = None) -> None:
     """The cheap checks of an entry point (module docstring); raises :class:`UserInputError`.
 
     ``phase``: the data phase the step trains on (checked to have a non-zero ``--data_split`` share).
+    ``length``: ``(tokens, "the flags that make it")`` every model must have positions for; default
+    ``--max_seq_len``. Given both a causal LM and a reward model (step 3), they must share one
+    vocabulary unless ``--allow_vocab_mismatch``.
     """
     from utils.data.data_utils import check_data_sources
 
     if phase is not None:
         check_phase_share(args.data_split, phase, bool(getattr(args, "sft_only_data_path", None)))
     check_output_dir_writable(getattr(args, "output_dir", None))
+    if length is None and getattr(args, "max_seq_len", None):
+        length = (args.max_seq_len, "--max_seq_len")
     for flag, name in dict(causal_lms).items():
         check_causal_lm_path(flag, name)
-        if getattr(args, "max_seq_len", None):
-            check_sequence_fits(flag, name, args.max_seq_len, "--max_seq_len")
+        if length:
+            check_sequence_fits(flag, name, *length)
     for flag, name in dict(reward_models).items():
         check_reward_model_path(flag, name)
+        if length:
+            check_sequence_fits(flag, name, *length)
+    if causal_lms and reward_models and not getattr(args, "allow_vocab_mismatch", False):
+        (actor, *_), (critic, *_) = dict(causal_lms).values(), dict(reward_models).values()
+        check_shared_vocabulary(actor, critic, getattr(args, "trust_remote_code", False))
     local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", -1), 0)))
     if data and local_rank == 0:
         names = list(args.data_path) + list(getattr(args, "sft_only_data_path", None) or [])

@@ -155,7 +155,7 @@ def load_reward_state_dict(model: RewardModel, folder: str, zero_stage: int = 0)
         return model
     import deepspeed
 
-    from utils.utils import is_rank_0
+    from utils.distributed import is_rank_0
 
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
@@ -213,18 +213,11 @@ def save_reward_model(model, tokenizer, output_dir: str, zero_stage: int = 0) ->
     """Write a step-2 folder (layout in the module docstring). Collective under ZeRO-3; rank 0 writes."""
     from safetensors.torch import save_file
 
-    from utils.model.model_utils import gather_full_state_dict, release_zero3_params
-    from utils.module.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
-    from utils.utils import atomic_directory, is_rank_0
+    from utils.distributed import is_rank_0
+    from utils.files import atomic_directory
+    from utils.model.model_utils import gather_for_saving
 
-    release_zero3_params(model, zero_stage)
-    model = model.module if hasattr(model, "module") else model
-    has_lora = any(isinstance(m, LinearLayer_LoRA) for m in model.modules())
-    if has_lora:
-        convert_lora_to_linear_layer(model, zero_stage == 3)
-    state = gather_full_state_dict(model, zero_stage)
-    if has_lora:
-        unfuse_lora_weight(model, zero_stage == 3)
+    model, state = gather_for_saving(model, zero_stage)
     if is_rank_0():
         marker = {"format": MARKER_FORMAT, "version": MARKER_VERSION,
                   "num_padding_at_beginning": model.num_padding_at_beginning,

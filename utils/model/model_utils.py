@@ -20,8 +20,9 @@ import torch
 
 from utils.errors import UserInputError
 from utils.model.tiny import resolve_model_path
-from utils.module.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
-from utils.utils import atomic_directory, is_rank_0
+from utils.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
+from utils.distributed import is_rank_0
+from utils.files import atomic_directory
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen", "gemma")
 
@@ -180,11 +181,11 @@ def gather_full_state_dict(model, zero_stage: int = 0) -> dict:
     return {k: v for k, v in state.items() if "lora" not in k}
 
 
-def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra_files: dict | None = None) -> None:
-    """Save ``model`` (LoRA fused, ZeRO-3 gathered) + ``tokenizer`` as an HF folder, atomically.
+def gather_for_saving(model, zero_stage: int = 0):
+    """``(module, state dict)`` of an engine or module as it should be saved: LoRA fused into the base
+    weights (and unfused again afterwards), ZeRO-3 partitions gathered, no ``lora`` keys.
 
-    Collective under ZeRO-3: call on every rank; only rank 0 writes.
-    ``extra_files`` maps file names to text written beside the model.
+    Collective under ZeRO-3: call on every rank; the state dict is complete on rank 0 only.
     """
     release_zero3_params(model, zero_stage)
     model = _unwrap(model)
@@ -194,6 +195,16 @@ def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra
     state = gather_full_state_dict(model, zero_stage)
     if has_lora:
         unfuse_lora_weight(model, zero_stage == 3)
+    return model, state
+
+
+def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra_files: dict | None = None) -> None:
+    """Save ``model`` (LoRA fused, ZeRO-3 gathered) + ``tokenizer`` as an HF folder, atomically.
+
+    Collective under ZeRO-3: call on every rank; only rank 0 writes.
+    ``extra_files`` maps file names to text written beside the model.
+    """
+    model, state = gather_for_saving(model, zero_stage)
     if is_rank_0():
         with atomic_directory(output_dir) as tmp:
             model.save_pretrained(tmp, state_dict=state, safe_serialization=True)

@@ -139,3 +139,16 @@ def make_model_gradient_checkpointing_compatible(model: nn.Module) -> nn.Module:
 
         model.get_input_embeddings().register_forward_hook(make_inputs_require_grad)
     return model
+
+
+def apply_lora(model: nn.Module, module_name, dim: int, only_optimize: bool, force_optimize=()) -> nn.Module:
+    """A role's LoRA, as every step applies it: ``dim`` > 0 converts the layers whose name contains
+    ``module_name``; ``only_optimize`` then freezes all but the LoRA factors (and ``force_optimize``, e.g.
+    the reward model's ``v_head``) and lets gradients reach them through checkpointed layers (on the
+    backbone of a reward model). ``dim`` 0 leaves the model as it is."""
+    if dim > 0:
+        convert_linear_layer_to_lora(model, module_name, dim)
+        if only_optimize:
+            only_optimize_lora_parameters(model, force_optimize)
+            make_model_gradient_checkpointing_compatible(getattr(model, "rwtransformer", model))
+    return model

@@ -1,0 +1,142 @@
+"""Step 3's configuration: explicit objects built once from the flags by :meth:`Step3Config.from_args`.
+
+The engine (:class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine`) reads an
+:class:`EngineConfig`, the trainer (:class:`~step3_rlhf_finetuning.ppo_trainer.DeepSpeedPPOTrainer`)
+a :class:`PPOConfig` and a :class:`GenerationConfig`; neither sees the argparse namespace.
+Defaults are the flags' defaults, so a test builds ``PPOConfig(kl_ctl=0.2)`` and nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from utils.training import OptimConfig
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How the actor answers (``--max_*_seq_len``, sampling, ``--generation_backend``)."""
+    max_prompt_seq_len: int = 256
+    max_answer_seq_len: int = 256
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    backend: str = "auto"
+    eot_token: str | None = None  # the answer-ending token when --add_eot_token added it; else the tokenizer's EOS
+    print_answers: bool = False
+    print_answers_interval: int = 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution answers are drawn from (1 when greedy), as TRL."""
+        return self.temperature if self.do_sample else 1.0
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """The PPO update: KL penalty, clipping, GAE, passes, unsupervised mixing, fp16 overflow handling."""
+    kl_ctl: float = 0.1
+    clip_reward_value: float = 5.0
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    ppo_epochs: int = 1
+    generation_batches: int = 1
+    unsup_coef: float = 27.8
+    align_overflow: bool = False  # fp16 only (from_args turns it off, with a warning, for other dtypes)
+    compute_fp32_loss: bool = False
+    ema_beta: float = 0.992  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One trained model (actor or critic) and the frozen copies built from the same folder."""
+    model_name_or_path: str
+    optim: OptimConfig
+    zero_stage: int = 0
+    dropout: float | None = None
+    lora_dim: int = 0
+    lora_module_name: str = "decoder.layers."
+    gradient_checkpointing: bool = False
+    grad_accum: int = 1  # micro-batches per optimizer step (the actor's doubles with unsupervised mixing)
+    offload_frozen: bool = False  # --offload_reference_model (actor: ref and EMA) / --offload_reward_model
+
+
+@dataclass(frozen=True)
+class HybridEngineConfig:
+    """DeepSpeed's hybrid engine for the actor (used only where DeepSpeed has a policy for its layers)."""
+    enabled: bool = False
+    inference_tp_size: int = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: int = 8
+    mixed_precision_lora: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The five models of step 3 (see :mod:`step3_rlhf_finetuning.rlhf_engine`)."""
+    actor: RoleConfig
+    critic: RoleConfig
+    dtype: str
+    micro_batch: int  # --per_device_training_batch_size
+    max_seq_len: int  # prompt + answer
+    offload: bool = False
+    only_optimize_lora: bool = False
+    enable_ema: bool = False
+    num_padding_at_beginning: int = 1
+    trust_remote_code: bool = False
+    tensorboard_path: str | None = None  # DeepSpeed's own tensorboard logs (--enable_tensorboard)
+    hybrid: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+
+
+@dataclass(frozen=True)
+class Step3Config:
+    engine: EngineConfig
+    ppo: PPOConfig
+    generation: GenerationConfig
+    unsupervised: bool  # --unsupervised_dataset_name given: the actor also trains on text (PPO-ptx)
+
+    @classmethod
+    def from_args(cls, args, dtype: str) -> "Step3Config":
+        """From step 3's parsed flags; ``dtype`` is ``--dtype`` resolved for the device."""
+        unsupervised = bool(args.unsupervised_dataset_name)
+
+        def role(name: str, offload_frozen: bool, grad_accum: int) -> RoleConfig:
+            return RoleConfig(model_name_or_path=getattr(args, f"{name}_model_name_or_path"),
+                              optim=OptimConfig.from_args(args, role=name),
+                              zero_stage=getattr(args, f"{name}_zero_stage"), dropout=getattr(args, f"{name}_dropout"),
+                              lora_dim=getattr(args, f"{name}_lora_dim"),
+                              lora_module_name=getattr(args, f"{name}_lora_module_name"),
+                              gradient_checkpointing=getattr(args, f"{name}_gradient_checkpointing"),
+                              grad_accum=grad_accum, offload_frozen=offload_frozen)
+
+        # with mixing, a micro-batch's PPO and LM gradients share one actor update (as DeepSpeed-Chat)
+        actor_accum = args.gradient_accumulation_steps * (2 if unsupervised else 1)
+        engine = EngineConfig(
+            actor=role("actor", args.offload_reference_model, actor_accum),
+            critic=role("critic", args.offload_reward_model, args.gradient_accumulation_steps),
+            dtype=dtype, micro_batch=args.per_device_training_batch_size,
+            max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len, offload=args.offload,
+            only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema,
+            num_padding_at_beginning=args.num_padding_at_beginning, trust_remote_code=args.trust_remote_code,
+            tensorboard_path=args.tensorboard_path if args.enable_tensorboard else None,
+            hybrid=HybridEngineConfig(enabled=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
+                                      release_inference_cache=args.release_inference_cache,
+                                      pin_parameters=not args.unpin_actor_parameters,
+                                      tp_gather_partition_size=args.tp_gather_partition_size,
+                                      mixed_precision_lora=args.enable_mixed_precision_lora))
+        ppo = PPOConfig(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
+                        cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
+                        ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
+                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16",
+                        compute_fp32_loss=args.compute_fp32_loss)
+        generation = GenerationConfig(max_prompt_seq_len=args.max_prompt_seq_len,
+                                      max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
+                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                      backend=args.generation_backend,
+                                      eot_token=args.eot_token if args.add_eot_token else None,
+                                      print_answers=args.print_answers,
+                                      print_answers_interval=args.print_answers_interval)
+        return cls(engine=engine, ppo=ppo, generation=generation, unsupervised=unsupervised)

@@ -1,0 +1,62 @@
+"""How an entry point ends: one clear line and a documented exit code for each way a run can fail."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+from utils.distributed import get_rank
+from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, TrainingDiverged, UserInputError
+
+
+# Where a training run is, for the Ctrl-C message: updated by utils.checkpoint.CheckpointManager.
+PROGRESS = {"step": None, "checkpoint": None, "checkpoints": None}
+
+
+def interrupt_message() -> str:
+    """"interrupted at step N; rerun … to resume from step M" (or what a rerun does instead)."""
+    step, saved, root = PROGRESS["step"], PROGRESS["checkpoint"], PROGRESS["checkpoints"]
+    where = "before the first training step" if step is None else f"at step {step}"
+    if saved:
+        return f"interrupted {where}; rerun the same command to resume from step {saved} (checkpoint in {root})"
+    if step is None:
+        return f"interrupted {where}; nothing was saved, a rerun starts afresh"
+    return (f"interrupted {where}; no checkpoint was saved (--save_interval N saves one every N steps), "
+            "so a rerun starts afresh")
+
+
+OOM_REMEDY = ("lower --per_device_*_batch_size (step 3: --per_device_generation_batch_size / "
+              "--per_device_training_batch_size) or --max_seq_len, raise the ZeRO stage (3 partitions the "
+              "weights), add --offload (ZeRO 1-3), --gradient_checkpointing, or LoRA with --only_optimize_lora")
+
+
+def out_of_memory_message(e: BaseException) -> str:
+    """One line for a GPU out-of-memory error: PyTorch's first sentence and the remedies."""
+    text = " ".join(str(e).split())
+    first = text.split(". ")[0] if text else "out of memory"
+    return f"out of GPU memory ({first[:160]}); {OOM_REMEDY}"
+
+
+def run_main(main: Callable, args) -> None:
+    """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3,
+    running out of GPU memory with one line naming the remedies and exit code 4, Ctrl-C with one line
+    saying where the run stopped and how to resume, exit code 130."""
+    import signal
+
+    try:
+        main(args)
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(DIVERGED)
+    except torch.OutOfMemoryError as e:
+        print(f"error: {out_of_memory_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(OUT_OF_MEMORY)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
+        if get_rank() == 0:
+            print(f"\n{interrupt_message()}", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)

@@ -1,0 +1,77 @@
+"""Writing output folders so that a crash never leaves a half-written one behind."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from utils.errors import UserInputError
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """Is ``e`` the file system refusing a write (disk full, quota, file-size limit, read-only)?
+
+    An :class:`OSError`, or the wrappers that torch's zip writer and safetensors put around one.
+    """
+    if isinstance(e, OSError):
+        return True
+    text = str(e)
+    if type(e).__name__ == "SafetensorError":
+        return "I/O error" in text
+    return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "inline_container" in text)
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir: str):
+    """Write a folder atomically: yields a temporary sibling, renames it into place on success.
+
+    Entries of an existing ``out_dir`` that the new content does not replace (a
+    ``training.log``, a tensorboard folder, sub-model folders) are moved across.
+    On an exception the temporary folder is removed and ``out_dir`` is untouched,
+    so a crash never leaves a half-written model behind.
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; an output folder is an ordinary folder
+    except OSError as e:
+        raise UserInputError(f"cannot write output folder {out_dir}: {e.strerror}") from None
+    try:
+        yield tmp
+        for root, _, files in os.walk(tmp):  # some writers create 0600 files; outputs are ordinary files
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+        _fsync_tree(tmp)
+        if os.path.isdir(out_dir):
+            for name in os.listdir(out_dir):
+                if not os.path.exists(os.path.join(tmp, name)):
+                    os.replace(os.path.join(out_dir, name), os.path.join(tmp, name))
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.replace(out_dir, os.path.join(old, "x"))
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_write_failure(e):
+            raise UserInputError(f"cannot write output folder {out_dir}: {e} (disk full, quota or read-only "
+                                 "file system?)") from e
+        raise

@@ -1,0 +1,140 @@
+"""The plumbing every training entry point shares; each ``main.py`` keeps its own loop.
+
+Steps 1, 2 and DPO and step 3's engines are built from these pieces:
+
+- :func:`start_run`: process group, precision, seed and the run's logger;
+- :func:`train_ds_config` / :func:`frozen_ds_config`: DeepSpeed configs with the batch sizes set,
+  and :func:`frozen_stage`, the one rule for a frozen copy's ZeRO stage;
+- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader;
+- :func:`count_optimizer_steps`: the length of the learning-rate schedule;
+- :class:`OptimConfig` and :func:`make_engine`: optimizer, schedule and ``deepspeed.initialize``.
+
+LoRA is applied with :func:`utils.lora.apply_lora`; saving gathers with
+:func:`utils.model.model_utils.gather_for_saving`. DeepSpeed and transformers are
+imported inside the functions, so importing this module stays light.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from utils.distributed import get_world_size
+
+
+def start_run(args, name: str):
+    """``(device, log)``: the process group (sets ``args.local_rank`` / ``global_rank``), ``--dtype``'s
+    device default, the seed, and a :class:`~utils.logger.TrainLogger` called ``name``."""
+    from utils.distributed import init_distributed
+    from utils.logger import TrainLogger
+    from utils.runtime import resolve_dtype, set_random_seed
+
+    device = init_distributed(args)
+    resolve_dtype(args)
+    set_random_seed(args.seed)
+    log = TrainLogger(name, args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    return device, log
+
+
+# --------------------------------------------------------------------------- DeepSpeed configs
+
+def frozen_stage(trained_stage: int) -> int:
+    """ZeRO stage of a frozen copy (DPO's and PPO's reference, the EMA actor, the reward model): ZeRO-3 if
+    the model it accompanies is partitioned, else 0 (a model that is never trained fits unpartitioned)."""
+    return 3 if trained_stage == 3 else 0
+
+
+def train_ds_config(dtype: str, stage: int, offload: bool, micro_batch: int, grad_accum: int,
+                    tensorboard_path: str | None = None, tb_name: str = "", **extra) -> dict:
+    """A trained model's DeepSpeed config; ``tensorboard_path`` turns on DeepSpeed's own tensorboard logs,
+    ``extra`` goes to :func:`utils.ds_utils.get_train_ds_config` (hybrid-engine fields)."""
+    from utils.ds_utils import get_train_ds_config, set_batch_sizes
+
+    config = get_train_ds_config(offload=offload, dtype=dtype, stage=stage,
+                                 enable_tensorboard=tensorboard_path is not None, tb_path=tensorboard_path or "",
+                                 tb_name=tb_name, **extra)
+    return set_batch_sizes(config, micro_batch, get_world_size(), grad_accum)
+
+
+def frozen_ds_config(dtype: str, trained_stage: int, offload: bool, micro_batch: int, grad_accum: int) -> dict:
+    """The eval config of a frozen copy of a model trained with ZeRO ``trained_stage`` (see :func:`frozen_stage`)."""
+    from utils.ds_utils import get_eval_ds_config, set_batch_sizes
+
+    config = get_eval_ds_config(offload, dtype, frozen_stage(trained_stage))
+    return set_batch_sizes(config, micro_batch, get_world_size(), grad_accum)
+
+
+def step_ds_config(args, tb_name: str) -> dict:
+    """The trained model's config of steps 1, 2 and DPO, from their shared flags."""
+    return train_ds_config(args.dtype, args.zero_stage, args.offload, args.per_device_train_batch_size,
+                           args.gradient_accumulation_steps,
+                           tensorboard_path=args.tensorboard_path if args.enable_tensorboard else None,
+                           tb_name=tb_name)
+
+
+# --------------------------------------------------------------------------- data
+
+def make_loaders(train_dataset, eval_dataset, collate, args):
+    """``(train, eval)`` loaders: train shuffled per (seed, epoch) and resumable mid-epoch
+    (:func:`utils.checkpoint.resumable_loader`), eval in order and sharded across ranks."""
+    from torch.utils.data import DataLoader, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    from utils.checkpoint import resumable_loader
+
+    train = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
+    sampler = (DistributedSampler(eval_dataset, shuffle=False) if get_world_size() > 1
+               else SequentialSampler(eval_dataset))
+    return train, DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
+                             sampler=sampler)
+
+
+def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: int = 0) -> int:
+    """Optimizer steps of a run (the schedule's length): whole epochs, capped by ``max_steps`` (0 = no cap)."""
+    total = epochs * math.ceil(micro_batches_per_epoch / grad_accum)
+    return min(total, max_steps) if max_steps else total
+
+
+# --------------------------------------------------------------------------- engines
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """What a trained model's optimizer and learning-rate schedule are made of."""
+    learning_rate: float
+    weight_decay: float
+    lora_learning_rate: float
+    offload: bool
+    lr_scheduler_type: str
+    num_warmup_steps: int
+
+    @classmethod
+    def from_args(cls, args, role: str | None = None) -> "OptimConfig":
+        """From the shared flags (``--learning_rate`` …) or a step-3 role's (``--actor_learning_rate`` …)."""
+        prefix = f"{role}_" if role else ""
+        return cls(learning_rate=getattr(args, f"{prefix}learning_rate"),
+                   weight_decay=getattr(args, f"{prefix}weight_decay"),
+                   lora_learning_rate=getattr(args, f"{prefix}lora_learning_rate"), offload=args.offload,
+                   lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps)
+
+
+def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_steps: int = 0,
+                gradient_checkpointing: bool = False):
+    """``deepspeed.initialize`` of ``model``; with ``optim``, a trained engine (AdamW groups of
+    :func:`utils.ds_utils.create_optimizer` and a schedule of ``total_steps``), else a frozen one."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    from utils.ds_utils import create_optimizer
+
+    optimizer = lr_scheduler = None
+    if optim is not None:
+        optimizer = create_optimizer(model, optim.weight_decay, optim.learning_rate, optim.lora_learning_rate,
+                                     optim.offload)
+        lr_scheduler = get_scheduler(optim.lr_scheduler_type, optimizer=optimizer,
+                                     num_warmup_steps=optim.num_warmup_steps, num_training_steps=total_steps)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                      config=ds_config, dist_init_required=True)
+    if optim is None:
+        engine.eval()
+    if gradient_checkpointing:
+        engine.module.gradient_checkpointing_enable()
+    return engine
