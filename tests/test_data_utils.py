@@ -228,7 +228,7 @@ def test_hh_rlhf_file_through_the_same_code_path(tmp_path, tok):
 
 
 def test_check_data_sources_reads_local_files_but_not_the_hub(tmp_path, monkeypatch):
-    from utils.data import raw_datasets as rd
+    from utils.data import hub_datasets
     from utils.errors import UserInputError
 
     bad = tmp_path / "bad.jsonl"
@@ -239,7 +239,7 @@ def test_check_data_sources_reads_local_files_but_not_the_hub(tmp_path, monkeypa
     def no_hub(*a, **k):
         raise AssertionError("the hub must not be contacted")
 
-    monkeypatch.setattr(rd, "_load_hub", no_hub)
+    monkeypatch.setattr(hub_datasets, "_load_hub", no_hub)
     du.check_data_sources(["Dahoas/rm-static", SMALL], str(tmp_path), SEED)
     with pytest.raises(UserInputError, match="not a supported dataset name"):
         du.check_data_sources(["nope/nothing"], str(tmp_path), SEED)

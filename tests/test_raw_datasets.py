@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from utils.data import hub_datasets as hub
 from utils.data import raw_datasets as rd
+from utils.data.local_datasets import LocalJsonFileDataset, LocalPathDataset
+from utils.data.prompt_dataset import RAW_FORMAT_VERSION
 from utils.errors import UserInputError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -26,7 +29,7 @@ def make(cls, tmp_path, train, eval=None, **kw):
 def test_dahoas_rm_static_and_full_hh(tmp_path):
     row = {"prompt": "\n\nHuman: Hi there?\n\nAssistant:", "response": " Hello.",
            "chosen": " Hello.", "rejected": " Go away."}
-    for cls in (rd.DahoasRmstaticDataset, rd.DahoasFullhhrlhfDataset):
+    for cls in (hub.DahoasRmstaticDataset, hub.DahoasFullhhrlhfDataset):
         ds = make(cls, tmp_path, [row, row], [row])
         assert strings(ds, row) == (
             "\n\nHuman: Hi there?\n\nAssistant:", " Hello.", " Go away.",
@@ -36,7 +39,7 @@ def test_dahoas_rm_static_and_full_hh(tmp_path):
 
 def test_dahoas_synthetic(tmp_path):
     row = {"prompt": "Name a fruit.", "chosen": "Apple.", "rejected": "Car."}
-    ds = make(rd.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, [row] * 3)
+    ds = make(hub.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, [row] * 3)
     assert strings(ds, row) == (" Human: Name a fruit. Assistant:", " Apple.", " Car.",
                                 " Human: Name a fruit. Assistant: Apple.",
                                 " Human: Name a fruit. Assistant: Car.")
@@ -45,7 +48,7 @@ def test_dahoas_synthetic(tmp_path):
 def test_yitingxie(tmp_path):
     row = {"prompt": "\n\nHuman: Why turkeys?\n\n", "chosen": "Assistant: Tradition.",
            "rejected": "Assistant: No idea."}
-    ds = make(rd.YitingxieRlhfrewarddatasetsDataset, tmp_path, [row], [row])
+    ds = make(hub.YitingxieRlhfrewarddatasetsDataset, tmp_path, [row], [row])
     assert strings(ds, row) == (
         "\n\nHuman: Why turkeys?\n\nAssistant:", " Tradition.", " No idea.",
         "\n\nHuman: Why turkeys?\n\nAssistant: Tradition.",
@@ -57,7 +60,7 @@ def test_webgpt(tmp_path):
          "answer_1": "Magic [2] (source) really.", "score_0": 1.0, "score_1": -1.0}
     b = dict(a, score_0=-0.5, score_1=0.5)
     tie = dict(a, score_0=0.0, score_1=0.0)
-    ds = make(rd.OpenaiWebgptcomparisonsDataset, tmp_path, [a, b, tie])
+    ds = make(hub.OpenaiWebgptcomparisonsDataset, tmp_path, [a, b, tie])
     p = " Human: Why is the sky blue? Assistant:"
     assert strings(ds, a) == (p, " Rayleigh scattering.", " Magic really.",
                               p + " Rayleigh scattering.", p + " Magic really.")
@@ -68,7 +71,7 @@ def test_webgpt(tmp_path):
 def test_shp(tmp_path):
     a = {"history": "Best pizza?", "human_ref_A": "Margherita", "human_ref_B": "Pineapple", "labels": 1}
     b = dict(a, labels=0)
-    ds = make(rd.StanfordnlpSHPDataset, tmp_path, [a, b], [a])
+    ds = make(hub.StanfordnlpSHPDataset, tmp_path, [a, b], [a])
     p = " Human: Best pizza? Assistant:"
     assert strings(ds, a) == (p, " Margherita", " Pineapple", p + " Margherita", p + " Pineapple")
     assert strings(ds, b)[1:3] == (" Pineapple", " Margherita")
@@ -76,19 +79,19 @@ def test_shp(tmp_path):
 
 def test_pvduy(tmp_path):
     row = {"prompt": "USER: Hi ASSISTANT: Hello! USER: Name a USERname. ASSISTANT:", "label": "bob42"}
-    ds = make(rd.PvduySharegptalpacaoavicunaformatDataset, tmp_path, [row], [row])
+    ds = make(hub.PvduySharegptalpacaoavicunaformatDataset, tmp_path, [row], [row])
     p = " Human: Hi Assistant: Hello! Human: Name a USERname. Assistant:"
     assert strings(ds, row) == (p, " bob42", None, p + " bob42", None)
 
 
 def test_zhihu(tmp_path):
     row = {"INSTRUCTION": "什么是猫？", "RESPONSE": "一种动物。", "SOURCE": "Zhihu", "METADATA": "{}"}
-    ds = make(rd.Wangrui6ZhihuKOLDataset, tmp_path, [row] * 3)
+    ds = make(hub.Wangrui6ZhihuKOLDataset, tmp_path, [row] * 3)
     assert strings(ds, row) == (" Human: 什么是猫？ Assistant:", " 一种动物。", None,
                                 " Human: 什么是猫？ Assistant: 一种动物。", None)
 
 
-@pytest.mark.parametrize("cls", [rd.CohereMiraclzhqueries2212Dataset, rd.CohereMiracljaqueries2212Dataset])
+@pytest.mark.parametrize("cls", [hub.CohereMiraclzhqueries2212Dataset, hub.CohereMiracljaqueries2212Dataset])
 def test_miracl(tmp_path, cls):
     row = {"query_id": "1", "query": "q?",
            "positive_passages": [{"docid": "a", "text": "good", "title": "t"}, {"docid": "b", "text": "x", "title": ""}],
@@ -103,14 +106,14 @@ def test_miracl(tmp_path, cls):
 def test_hc3_chinese(tmp_path):
     row = {"id": "0", "question": "天为什么是蓝的？", "human_answers": ["散射。", "other"], "chatgpt_answers": ["x"]}
     empty = dict(row, human_answers=[])
-    ds = make(rd.HelloSimpleAIHC3ChineseDataset, tmp_path, [row, empty, row])
+    ds = make(hub.HelloSimpleAIHC3ChineseDataset, tmp_path, [row, empty, row])
     p = " Human: 天为什么是蓝的？ Assistant:"
     assert strings(ds, row) == (p, " 散射。", None, p + " 散射。", None)
     assert ds.get_chosen(empty) is None and ds.get_prompt_and_chosen(empty) is None
-    assert rd.HelloSimpleAIHC3ChineseDataset.hub_config == "all"
+    assert hub.HelloSimpleAIHC3ChineseDataset.hub_config == "all"
 
 
-@pytest.mark.parametrize("cls,lang", [(rd.MkqaChineseDataset, "zh_cn"), (rd.MkqaJapaneseDataset, "ja")])
+@pytest.mark.parametrize("cls,lang", [(hub.MkqaChineseDataset, "zh_cn"), (hub.MkqaJapaneseDataset, "ja")])
 def test_mkqa(tmp_path, cls, lang):
     row = {"example_id": 1, "queries": {"en": "capital of France?", "zh_cn": "法国首都？", "ja": "フランスの首都？"},
            "answers": {"en": [{"text": "Paris", "type": 1}], "zh_cn": [{"text": "巴黎", "type": 1}],
@@ -124,24 +127,24 @@ def test_mkqa(tmp_path, cls, lang):
 
 def test_qg_jaquad(tmp_path):
     row = {"question": "質問？", "sentence": "文。", "paragraph": "段落。", "answer": "答え"}
-    ds = make(rd.LmqgQgjaquadDataset, tmp_path, [row], [row])
+    ds = make(hub.LmqgQgjaquadDataset, tmp_path, [row], [row])
     assert strings(ds, row) == (" Human: 質問？ Assistant:", " 文。", None, " Human: 質問？ Assistant: 文。", None)
 
 
 def test_qag_jaquad(tmp_path):
     row = {"questions": ["一つ目？", "二つ目？"], "answers": ["a", "b"], "paragraph": "段落。",
            "questions_answers": "..."}
-    ds = make(rd.LmqgQagjaquadDataset, tmp_path, [row], [row])
+    ds = make(hub.LmqgQagjaquadDataset, tmp_path, [row], [row])
     assert strings(ds, row) == (" Human: 一つ目？ Assistant:", " 段落。", None,
                                 " Human: 一つ目？ Assistant: 段落。", None)
 
 
 def test_every_hub_name_dispatches_without_download(tmp_path):
-    for name, cls in rd.HUB_DATASETS:
+    for name, cls in hub.HUB_DATASETS:
         ds = rd.get_raw_dataset(name, str(tmp_path), 1234, -1)
         assert type(ds) is cls and ds.dataset_name == name
         assert name in ds.fingerprint() and "/" not in ds.dataset_name_clean
-    assert type(rd.get_raw_dataset("my-mirror/Dahoas/rm-static", str(tmp_path), 1, 0)) is rd.DahoasRmstaticDataset
+    assert type(rd.get_raw_dataset("my-mirror/Dahoas/rm-static", str(tmp_path), 1, 0)) is hub.DahoasRmstaticDataset
 
 
 def test_hub_offline_error(tmp_path, monkeypatch):
@@ -175,7 +178,7 @@ def test_hub_load_path_uses_splits_and_config(tmp_path, monkeypatch):
 
 def test_hub_adapter_missing_column(tmp_path):
     with pytest.raises(UserInputError) as e:  # from_rows validates at once
-        make(rd.StanfordnlpSHPDataset, tmp_path, [{"history": "x", "human_ref_A": "a", "labels": 1}])
+        make(hub.StanfordnlpSHPDataset, tmp_path, [{"history": "x", "human_ref_A": "a", "labels": 1}])
     assert "stanfordnlp/SHP" in str(e.value) and "human_ref_B" in str(e.value) and "row 1" in str(e.value)
 
 
@@ -194,14 +197,14 @@ def test_hub_name_that_is_a_local_save_to_disk_folder(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- 9:1 split
 def test_nine_to_one_split(tmp_path):
     rows = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}"} for i in range(50)]
-    ds = make(rd.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, rows)
+    ds = make(hub.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, rows)
     train, eval_ = ds.get_train_data(), ds.get_eval_data()
     assert (len(train), len(eval_)) == (45, 5)
     seen = sorted(r["prompt"] for r in list(train) + list(eval_))
     assert seen == sorted(r["prompt"] for r in rows)
     files = sorted(os.listdir(tmp_path / "out"))
     assert files == [f"Dahoas_synthetic_instruct_gptj_pairwise_seed1234_train_eval_9,1_{i}.npy" for i in (0, 1)]
-    again = make(rd.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, rows)
+    again = make(hub.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, rows)
     assert list(again.get_eval_data()) == list(eval_)
 
 
@@ -219,7 +222,7 @@ def test_local_jsonfile(tmp_path, monkeypatch):
     assert "eval.json" in str(e.value)
     (tmp_path / "data" / "eval.json").write_text(json.dumps([row]))
     ds = rd.get_raw_dataset("local/jsonfile", str(tmp_path / "out"), 1234, -1)
-    assert type(ds) is rd.LocalJsonFileDataset
+    assert type(ds) is LocalJsonFileDataset
     train = ds.get_train_data()
     assert len(train) == 2 and len(ds.get_eval_data()) == 1
     assert strings(ds, train[0]) == (" Human: Hi Assistant:", " Hello", " Bye",
@@ -280,7 +283,7 @@ def test_local_file_formats(tmp_path, fmt):
     else:
         write_jsonl(path, PC_ROWS, gzip.open if fmt.endswith(".gz") else open)
     ds = load(path, tmp_path)
-    assert type(ds) is rd.LocalPathDataset
+    assert type(ds) is LocalPathDataset
     assert (len(ds.get_train_data()), len(ds.get_eval_data())) == (3, 0)  # 9:1 of 3 rows
     check_pc(ds)
     assert ds.fingerprint().startswith("local:") and str(path) in ds.fingerprint()
@@ -419,7 +422,7 @@ def test_empty_strings_pass_through(tmp_path):
     ds = load(tmp_path / "e.jsonl", tmp_path)
     r = all_rows(ds)[0]
     assert strings(ds, r) == (" Human: q Assistant:", "", "", " Human: q Assistant:", " Human: q Assistant:")
-    syn = make(rd.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, [{"prompt": "", "chosen": "", "rejected": "x"}])
+    syn = make(hub.DahoasSyntheticinstructgptjpairwiseDataset, tmp_path, [{"prompt": "", "chosen": "", "rejected": "x"}])
     assert strings(syn, {"prompt": "", "chosen": "", "rejected": "x"}) == ("", "", " x", "", " x")
 
 
@@ -460,7 +463,7 @@ def test_builtin(tmp_path):
     row = train[0]
     assert strings(ds, row) == (row["prompt"], row["chosen"], row["rejected"],
                                 row["prompt"] + row["chosen"], row["prompt"] + row["rejected"])
-    assert ds.fingerprint() == f"builtin:{name}:v{builtin.VERSION}:raw{rd.RAW_FORMAT_VERSION}"
+    assert ds.fingerprint() == f"builtin:{name}:v{builtin.VERSION}:raw{RAW_FORMAT_VERSION}"
     with pytest.raises(UserInputError) as e:
         rd.get_raw_dataset("builtin/nope", str(tmp_path), 1234, -1)
     assert "builtin/nope" in str(e.value) and "builtin/preference" in str(e.value)
