@@ -27,8 +27,7 @@ import torch
 
 from step3_rlhf_finetuning.config import Step3Config
 from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
-                                               ExponentialMovingAverage, MiniDataset, step3_throughput,
-                                               summarize_experience, throughput_lines)
+                                               ExponentialMovingAverage, MiniDataset, summarize_experience)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
@@ -43,7 +42,7 @@ from utils.errors import UserInputError, check_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
 from utils.model.model_utils import load_hf_tokenizer, save_hf_format
-from utils.perf import count_parameters, model_shape, throughput_due
+from utils.perf import count_parameters, model_shape, step3_throughput, throughput_due, throughput_lines
 from utils.preflight import preflight
 from utils.runtime import to_device
 from utils.summary import head_tail_window

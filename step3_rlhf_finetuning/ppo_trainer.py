@@ -237,7 +237,7 @@ class DeepSpeedPPOTrainer:
             return None
 
         attention_mask = torch.cat([mask.long(), answer_action_mask(answers, self.eos_token_id)], dim=1)
-        action_mask = sequence_action_mask(seq, P, self.pad_token_id, self.eos_token_id) * valid[:, None]
+        action_mask = sequence_action_mask(seq, P, self.eos_token_id) * valid[:, None]
         with torch.no_grad(), deterministic(self.actor_model.module, self.critic_model.module):
             logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
             ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
@@ -352,53 +352,3 @@ def end_of_answer_token_id(tokenizer, eot_token: str | None = None) -> int:
         if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
             return int(ids[0])
     return int(tokenizer.eos_token_id)
-
-
-def step3_throughput(actor_config, critic_config, *, experience_time: float, generate_time: float,
-                     train_time: float, sequences: int, seq_length: int, answer_length: int, generated_tokens: int,
-                     actor_train_samples: int, critic_train_samples: int, world_size: int = 1,
-                     actor_factor: float = 3.0, critic_factor: float = 3.0, actor_params: int = 0,
-                     critic_params: int = 0, bytes_per_param: int = 4) -> dict:
-    """DeepSpeed-Chat's step-3 numbers for one PPO step (per rank counts, ``world_size`` ranks).
-
-    ``sequences``: experiences generated (all generation batches); ``actor_train_samples``
-    / ``critic_train_samples``: rows each model was trained on (× PPO epochs; the actor's
-    count includes unsupervised rows — the reference used a batch of 2 there).
-    End-to-end time = experience time (generation + scoring) + training time.
-    """
-    from utils.perf import transformer_flops
-
-    e2e_time = experience_time + train_time
-    train_flops = (transformer_flops(actor_config, actor_train_samples, seq_length, actor_factor)
-                   + transformer_flops(critic_config, critic_train_samples, seq_length, critic_factor))
-    gen_flops = transformer_flops(actor_config, sequences, seq_length, 1)
-    per_token = generate_time / max(generated_tokens, 1)
-    tera = 1e12 * world_size
-    return {
-        "e2e_latency": e2e_time, "gen_latency": generate_time, "train_latency": train_time,
-        "e2e_tflops": (train_flops + gen_flops) * world_size / (max(e2e_time, 1e-9) * tera),
-        "gen_tflops": gen_flops * world_size / (max(generate_time, 1e-9) * tera),
-        "train_tflops": train_flops * world_size / (max(train_time, 1e-9) * tera),
-        "samples_per_sec": sequences * world_size / max(e2e_time, 1e-9),
-        "gen_tokens_per_sec": sequences * world_size * generated_tokens / max(generate_time, 1e-9),
-        "per_token_latency_ms": per_token * 1000,
-        "gen_bandwidth_gbs": actor_params * bytes_per_param / max(per_token, 1e-9) / 1e9,
-        "sequences": sequences * world_size, "seq_length": seq_length, "answer_length": answer_length,
-        "actor_params_b": actor_params / 1e9, "critic_params_b": critic_params / 1e9,
-    }
-
-
-def throughput_lines(t: dict) -> list:
-    """The reference's four step-3 throughput lines from :func:`step3_throughput`'s dict."""
-    return [
-        f"End-to-End => Latency: {t['e2e_latency']:.2f}s, TFLOPs: {t['e2e_tflops']:.4f}, "
-        f"Samples/sec: {t['samples_per_sec']:.2f}, Time/seq {t['e2e_latency'] / max(t['sequences'], 1):.3f}s, "
-        f"Batch Size: {t['sequences']}, Total Seq. Length: {t['seq_length']}",
-        f"Generation => Latency: {t['gen_latency']:.2f}s, Per-token Latency {t['per_token_latency_ms']:.2f} ms, "
-        f"TFLOPs: {t['gen_tflops']:.4f}, BW: {t['gen_bandwidth_gbs']:.2f} GB/sec, "
-        f"Tokens/sec: {t['gen_tokens_per_sec']:.1f}, Answer Seq. Length: {t['answer_length']}",
-        f"Training   => Latency: {t['train_latency']:.2f}s, TFLOPs: {t['train_tflops']:.4f}",
-        f"Actor Model Parameters => {t['actor_params_b']:.3f} B, "
-        f"Critic Model Parameters => {t['critic_params_b']:.3f} B",
-    ]
-

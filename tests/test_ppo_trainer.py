@@ -16,11 +16,10 @@ from torch.testing import assert_close
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
 from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, MiniDataset,
-                                               end_of_answer_token_id, pad_to_length, step3_throughput,
-                                               throughput_lines)
+                                               end_of_answer_token_id, pad_to_length)
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
-from utils.perf import transformer_flops
+from utils.perf import step3_throughput, throughput_lines, transformer_flops
 
 EOS = PAD = 2  # OPT-style tokenizer: pad == eos
 V = 8

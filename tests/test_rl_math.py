@@ -27,7 +27,6 @@ from utils.rl_math import (
     masked_sum,
     pairwise_reward_loss,
     sequence_action_mask,
-    sequence_attention_mask,
     sequence_log_probs,
 )
 
@@ -130,16 +129,12 @@ def test_sequence_masks(pad):
         ]
     )
     expected_actions = long([[0, 0, 1, 1, 0], [0, 0, 1, 1, 1], [0, 0, 1, 0, 0]])
-    assert_close(sequence_action_mask(seq, P, pad, EOS), expected_actions)
-    # attention: prompt = seq != pad, answer = up to and including the first EOS
-    expected_attention = long([[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
-    assert_close(sequence_attention_mask(seq, P, pad, EOS), expected_attention)
+    assert_close(sequence_action_mask(seq, P, EOS), expected_actions)
 
 
 def test_sequence_masks_without_answer_tokens():
     seq = long([[0, 7, 8]])  # T == P: no actions at all
-    assert_close(sequence_action_mask(seq, 3, PAD, EOS), long([[0, 0]]))
-    assert_close(sequence_attention_mask(seq, 3, PAD, EOS), long([[0, 1, 1]]))
+    assert_close(sequence_action_mask(seq, 3, EOS), long([[0, 0]]))
 
 
 def test_last_action_index():
@@ -189,7 +184,7 @@ def test_kl_penalized_rewards_custom_coefficients():
 def test_score_lands_on_the_eos_action_end_to_end(pad):
     # seq tokens: [pad, 7, 8, 5, EOS, pad]; EOS is token 4, emitted by action 3 (fix of #672)
     seq = long([[pad, 7, 8, 5, EOS, pad], [pad, 7, 8, 5, 6, 9]])
-    mask = sequence_action_mask(seq, 3, pad, EOS)
+    mask = sequence_action_mask(seq, 3, EOS)
     zeros = torch.zeros(2, 5)
     rewards = kl_penalized_rewards(zeros, zeros, t([1.5, -0.5]), mask)
     # row 1 has no EOS: the score lands on the last action, t = 4 (emits the final token 9)

@@ -31,7 +31,6 @@ __all__ = [
     "answer_action_mask",
     "count_real_answer_tokens",
     "sequence_action_mask",
-    "sequence_attention_mask",
     "last_action_index",
     "kl_penalized_rewards",
     "gae_advantages_and_returns",
@@ -170,54 +169,26 @@ def count_real_answer_tokens(answer_ids: torch.Tensor, eos_token_id: int) -> tor
     return no_eos_yet.long().sum(dim=1)
 
 
-def sequence_action_mask(
-    seq: torch.Tensor, prompt_length: int, pad_token_id: int, eos_token_id: int
-) -> torch.Tensor:
+def sequence_action_mask(seq: torch.Tensor, prompt_length: int, eos_token_id: int) -> torch.Tensor:
     """Action mask of prompt+answer sequences: 1 for the answer's actions (EOS included).
 
     Action ``t`` emits token ``t+1``. Prompt tokens are not actions, so ``t < P-1`` is 0;
-    for ``t >= P-1`` the mask is ``answer_action_mask(seq[:, P:])[:, t-(P-1)]``.
-    ``pad_token_id`` is accepted for symmetry with :func:`sequence_attention_mask`; the
-    answer's end is found from the EOS alone.
+    for ``t >= P-1`` the mask is ``answer_action_mask(seq[:, P:])[:, t-(P-1)]``: the
+    answer's end is found from the EOS alone (pad may equal EOS).
 
     Args:
         seq: ``[B, T]`` left-padded prompt of length ``P = prompt_length`` followed by the answer.
         prompt_length: ``P``.
-        pad_token_id: pad id (unused here, see above).
         eos_token_id: EOS id.
 
     Returns:
         ``[B, T-1]`` long mask.
     """
-    del pad_token_id
     B, T = seq.shape
     mask = torch.zeros(B, max(T - 1, 0), dtype=torch.long, device=seq.device)
     if T > prompt_length:
         mask[:, prompt_length - 1 :] = answer_action_mask(seq[:, prompt_length:], eos_token_id)
     return mask
-
-
-def sequence_attention_mask(
-    seq: torch.Tensor, prompt_length: int, pad_token_id: int, eos_token_id: int
-) -> torch.Tensor:
-    """Attention mask of prompt+answer sequences.
-
-    Prompt part: ``seq != pad_token_id`` (left padding). Answer part:
-    :func:`answer_action_mask` (tokens up to and including the first EOS), so a generated
-    EOS stays visible even when ``pad == eos``.
-
-    Args:
-        seq: ``[B, T]`` left-padded prompt of length ``P = prompt_length`` + answer.
-        prompt_length: ``P``.
-        pad_token_id: pad id.
-        eos_token_id: EOS id.
-
-    Returns:
-        ``[B, T]`` long mask.
-    """
-    prompt_mask = (seq[:, :prompt_length] != pad_token_id).long()
-    answer_mask = answer_action_mask(seq[:, prompt_length:], eos_token_id)
-    return torch.cat([prompt_mask, answer_mask], dim=1)
 
 
 def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
