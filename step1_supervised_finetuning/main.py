@@ -10,14 +10,12 @@ perplexity after every epoch → save an HF folder. With ``--save_interval`` a r
 checkpoint is written every N optimizer steps; rerunning the command resumes from it
 (:mod:`utils.checkpoint`).
 """
-import argparse
 import math
 import time
 
 import torch
 
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
-                             add_lora_args, add_model_args, add_training_args, validate_common)
+from utils.arguments import single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
@@ -25,25 +23,18 @@ from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import check_finite
 from utils.lora import apply_lora
-from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.rl_math import causal_lm_loss
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, make_engine, make_loaders, start_run,
-                            step_ds_config)
+from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
+                            make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, description="Step 1: supervised fine-tuning (SFT) of a causal language model.")
-    add_data_args(parser)
-    add_model_args(parser)
-    add_training_args(parser)
-    add_lora_args(parser)
-    add_deepspeed_args(parser)
-    add_logging_args(parser, tensorboard_path="step1_tensorboard")
-    add_checkpoint_args(parser)
+    parser = single_model_parser("Step 1: supervised fine-tuning (SFT) of a causal language model.",
+                                 tensorboard_path="step1_tensorboard")
     return parser.parse_args(argv)
 
 
@@ -78,9 +69,7 @@ def main(args):
     ds_config = step_ds_config(args, "step1_model")
 
     # ---- tokenizer and model (+ LoRA)
-    eot = args.eot_token if args.add_eot_token else None
-    tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
-                                  trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args, args.model_name_or_path)
     model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
                             dropout=args.dropout, trust_remote_code=args.trust_remote_code)
     apply_lora(model, args.lora_module_name, args.lora_dim, args.only_optimize_lora)
@@ -120,11 +109,10 @@ def main(args):
         first_ppl = ppl
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
-        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
-        log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
         accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
-        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step1 epoch {epoch + 1}"), start=skip):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
+                                                     f"step1 epoch {epoch + 1}"):
             if finished():
                 break
             start = time.time()

@@ -17,14 +17,11 @@ result is a plain Hugging Face causal-LM folder: use it directly or as the step-
 With ``--save_interval`` a resumable checkpoint of the policy is written every N optimizer
 steps; rerunning the command resumes from it (:mod:`utils.checkpoint`).
 """
-import argparse
 import time
 
 import torch
 
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eval_args,
-                             add_logging_args, add_lora_args, add_model_args, add_offload_reference_arg,
-                             add_training_args, validate_common)
+from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
@@ -32,25 +29,18 @@ from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import UserInputError, check_finite
 from utils.lora import apply_lora
-from utils.model.model_utils import create_hf_model, load_hf_tokenizer, save_hf_format
+from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.rl_math import dpo_loss, sequence_log_probs
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, frozen_ds_config, make_engine, make_loaders,
-                            start_run, step_ds_config)
+from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, frozen_ds_config, load_tokenizer,
+                            make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, description="Step 2 (DPO): direct preference optimisation of a causal LM.")
-    add_data_args(parser)
-    add_model_args(parser)
-    add_training_args(parser)
-    add_lora_args(parser)
-    add_deepspeed_args(parser)
-    add_logging_args(parser, tensorboard_path="step2_tensorboard")
-    add_checkpoint_args(parser)
+    parser = single_model_parser("Step 2 (DPO): direct preference optimisation of a causal LM.",
+                                 tensorboard_path="step2_tensorboard")
     g = parser.add_argument_group("dpo")
     g.add_argument("--beta", type=float, default=0.1,
                    help="DPO temperature β (typically 0.1-0.5; the reference model matters less as β → 0).")
@@ -144,9 +134,7 @@ def main(args):
                                      args.per_device_train_batch_size, args.gradient_accumulation_steps)
 
     # ---- tokenizer, policy (+ LoRA), reference
-    eot = args.eot_token if args.add_eot_token else None
-    tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
-                                  trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args, args.model_name_or_path)
     model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config,
                             dropout=args.dropout, trust_remote_code=args.trust_remote_code)
     ref_model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ref_ds_config,
@@ -187,10 +175,9 @@ def main(args):
         first = metrics = evaluate(0, "before training")
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
-        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
-        log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
-        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"dpo epoch {epoch + 1}"), start=skip):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
+                                                     f"dpo epoch {epoch + 1}"):
             if args.max_steps and step >= args.max_steps:
                 break
             start = time.time()

@@ -11,14 +11,11 @@ steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`)
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
-import argparse
 import time
 
 import torch
 
-from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eval_args,
-                             add_logging_args, add_lora_args, add_model_args, add_num_padding_arg, add_training_args,
-                             validate_common)
+from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
@@ -32,20 +29,13 @@ from utils.model.reward_model import count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, make_engine, make_loaders, start_run,
-                            step_ds_config)
+from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
+                            make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, description="Step 2: train a pairwise reward model.")
-    add_data_args(parser)
-    add_model_args(parser)
-    add_training_args(parser)
-    add_lora_args(parser)
-    add_deepspeed_args(parser)
-    add_logging_args(parser, tensorboard_path="step2_tensorboard")
-    add_checkpoint_args(parser)
+    parser = single_model_parser("Step 2: train a pairwise reward model.",
+                                 tensorboard_path="step2_tensorboard")
     g = parser.add_argument_group("reward model")
     add_num_padding_arg(g)
     add_eval_args(g)
@@ -107,9 +97,7 @@ def main(args):
     ds_config = step_ds_config(args, "step2_model")
 
     # ---- tokenizer and reward model: backbone + v_head (+ LoRA; the value head always trains)
-    eot = args.eot_token if args.add_eot_token else None
-    tokenizer = load_hf_tokenizer(args.model_name_or_path, add_special_tokens=eot,
-                                  trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args, args.model_name_or_path)
     model = create_critic_model(args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning,
                                 dropout=args.dropout, zero_stage=args.zero_stage,
                                 trust_remote_code=args.trust_remote_code)
@@ -149,11 +137,10 @@ def main(args):
         first = metrics = evaluate(0, "before training")
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
-        train_loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=args.per_device_train_batch_size)
-        log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}")
         model.train()
         loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if skip else (0.0, 0)
-        for micro_step, batch in enumerate(log.progress(train_loader, desc=f"step2 epoch {epoch + 1}"), start=skip):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
+                                                     f"step2 epoch {epoch + 1}"):
             if args.max_steps and step >= args.max_steps:
                 break
             start = time.time()

@@ -41,12 +41,12 @@ from utils.entrypoint import run_main
 from utils.errors import UserInputError, check_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
-from utils.model.model_utils import load_hf_tokenizer, save_hf_format
+from utils.model.model_utils import save_hf_format
 from utils.perf import count_parameters, model_shape, step3_throughput, throughput_due, throughput_lines
 from utils.preflight import preflight
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import start_run
+from utils.training import load_tokenizer, start_run
 
 
 def parse_args(argv=None):
@@ -289,9 +289,7 @@ def main(args):
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
 
     # ---- tokenizer, data, models
-    eot = args.eot_token if args.add_eot_token else None
-    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, add_special_tokens=eot,
-                                  trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
     prompt_loader, unsup_loader, ppo_steps, total_iters = create_datasets(args, tokenizer, log)
     mixing = config.unsupervised
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)

@@ -302,7 +302,7 @@ class DeepSpeedPPOTrainer:
                          "skipping both actor and critic steps")
 
     def update_ema(self) -> None:
-        """θ_ema ← β·θ_ema + (1−β)·θ_actor, β = ``ppo.ema_beta`` (ZeRO-3 parameters gathered; the update is kept)."""
+        """θ_ema ← β·θ_ema + (1−β)·θ_actor with β = ``ppo.ema_beta`` (ZeRO-3 parameters gathered, update kept)."""
         ema, beta = self.rlhf_engine.actor_ema, self.ppo.ema_beta
         if ema is None:
             return

@@ -146,17 +146,17 @@ def test_metrics_file_follows_the_resumed_step(tmp_path):
 
 
 def test_interrupt_message_says_where_and_how_to_go_on(monkeypatch):
-    from utils import utils
+    from utils import entrypoint
 
     for key in ("step", "checkpoint", "checkpoints"):
-        monkeypatch.setitem(utils.PROGRESS, key, None)
-    assert utils.interrupt_message() == "interrupted before the first training step; nothing was saved, a rerun " \
+        monkeypatch.setitem(entrypoint.PROGRESS, key, None)
+    assert entrypoint.interrupt_message() == "interrupted before the first training step; nothing was saved, a rerun " \
                                         "starts afresh"
-    monkeypatch.setitem(utils.PROGRESS, "step", 7)
-    assert "interrupted at step 7; no checkpoint was saved (--save_interval N" in utils.interrupt_message()
-    monkeypatch.setitem(utils.PROGRESS, "checkpoint", 6)
-    monkeypatch.setitem(utils.PROGRESS, "checkpoints", "out/checkpoints")
-    assert utils.interrupt_message() == ("interrupted at step 7; rerun the same command to resume from step 6 "
+    monkeypatch.setitem(entrypoint.PROGRESS, "step", 7)
+    assert "interrupted at step 7; no checkpoint was saved (--save_interval N" in entrypoint.interrupt_message()
+    monkeypatch.setitem(entrypoint.PROGRESS, "checkpoint", 6)
+    monkeypatch.setitem(entrypoint.PROGRESS, "checkpoints", "out/checkpoints")
+    assert entrypoint.interrupt_message() == ("interrupted at step 7; rerun the same command to resume from step 6 "
                                          "(checkpoint in out/checkpoints)")
 
 

@@ -18,6 +18,20 @@ DTYPES = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+def single_model_parser(description: str, tensorboard_path: str) -> argparse.ArgumentParser:
+    """The parser of a step that trains one model (1, 2, DPO) with the shared groups: data, model,
+    optimisation, LoRA, ZeRO and precision, logging, checkpoints; the step adds its own group."""
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter, description=description)
+    add_data_args(parser)
+    add_model_args(parser)
+    add_training_args(parser)
+    add_lora_args(parser)
+    add_deepspeed_args(parser)
+    add_logging_args(parser, tensorboard_path=tensorboard_path)
+    add_checkpoint_args(parser)
+    return parser
+
+
 def add_data_args(parser: argparse.ArgumentParser):
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="*", default=["Dahoas/rm-static"],

@@ -2,10 +2,11 @@
 
 Steps 1, 2 and DPO and step 3's engines are built from these pieces:
 
-- :func:`start_run`: process group, precision, seed and the run's logger;
+- :func:`start_run`: process group, precision, seed and the run's logger; :func:`load_tokenizer`;
 - :func:`train_ds_config` / :func:`frozen_ds_config`: DeepSpeed configs with the batch sizes set,
   and :func:`frozen_stage`, the one rule for a frozen copy's ZeRO stage;
-- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader;
+- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader, and
+  :func:`epoch_micro_batches`, one epoch of the first (resuming mid-epoch);
 - :func:`count_optimizer_steps`: the length of the learning-rate schedule;
 - :class:`OptimConfig` and :func:`make_engine`: optimizer, schedule and ``deepspeed.initialize``.
 
@@ -33,6 +34,14 @@ def start_run(args, name: str):
     set_random_seed(args.seed)
     log = TrainLogger(name, args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
     return device, log
+
+
+def load_tokenizer(args, name_or_path: str):
+    """The run's tokenizer: ``name_or_path``'s, plus ``--eot_token`` as a special token with ``--add_eot_token``."""
+    from utils.model.model_utils import load_hf_tokenizer
+
+    eot = args.eot_token if args.add_eot_token else None
+    return load_hf_tokenizer(name_or_path, add_special_tokens=eot, trust_remote_code=args.trust_remote_code)
 
 
 # --------------------------------------------------------------------------- DeepSpeed configs
@@ -86,6 +95,14 @@ def make_loaders(train_dataset, eval_dataset, collate, args):
                else SequentialSampler(eval_dataset))
     return train, DataLoader(eval_dataset, collate_fn=collate, batch_size=args.per_device_eval_batch_size,
                              sampler=sampler)
+
+
+def epoch_micro_batches(loader, epoch: int, skip: int, epochs: int, log, desc: str):
+    """``(micro_step, batch)`` pairs of one epoch behind a progress bar, numbered from ``skip``: the loader's
+    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming)."""
+    loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
+    log.info(f"Beginning of Epoch {epoch + 1}/{epochs}, Total Micro Batches {len(loader)}")
+    return enumerate(log.progress(loader, desc=desc), start=skip)
 
 
 def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: int = 0) -> int:
