@@ -19,6 +19,8 @@ import argparse
 import os
 import time
 
+from utils.arguments import DTYPES
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 SHAPES = {  # random-initialised models of real shapes (vocab 8192, as the GPU recipe's tokenizer)
     "opt-1.3b": dict(arch="opt", hidden=2048, layers=24, heads=32, ffn=8192, proj=2048, pre_ln=True),
@@ -111,11 +113,13 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="default 8 on CPU, 16 on a GPU")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32 on CPU, 256 on a GPU)")
     parser.add_argument("--answer", type=int, default=None, help="answer tokens (default 32 on CPU, 256 on a GPU)")
-    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default fp32 CPU, bf16 GPU")
+    parser.add_argument("--dtype", default=None, choices=DTYPES, help="default fp32 CPU, bf16 GPU")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     import torch
+
+    from utils.runtime import torch_dtype
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -124,8 +128,7 @@ def main():
     B = args.batch or (16 if cuda else 8)
     P = args.prompt or (256 if cuda else 32)
     A = args.answer or (256 if cuda else 32)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype or
-                                                                                   ("bf16" if cuda else "fp32")]
+    dtype = torch_dtype(args.dtype or ("bf16" if cuda else "fp32"))
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     lines = [f"generation on {where}, torch {torch.__version__}: batch {B}, prompt {P} (half the rows left padded "
              f"by 1-7), answer {A} tokens, greedy, {str(dtype).replace('torch.', '')}, mean of {args.repeats} after "
