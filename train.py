@@ -27,16 +27,15 @@ import datetime
 import os
 import re
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-from utils.arguments import ZERO_STAGES, HelpFormatter  # these three are pure: no torch import
+from utils.arguments import ZERO_STAGES, HelpFormatter  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY
+from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -212,18 +211,6 @@ def gpu_count() -> int:
         return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_launcher() -> str:
-    """The ``deepspeed`` script of this interpreter's environment (works without an activated venv)."""
-    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return beside if os.path.isfile(beside) else (shutil.which("deepspeed") or "deepspeed")
-
-
 def launcher_prefix(args, gpus: int) -> tuple[list, str]:
     """How to start one step's ``main.py``: (command prefix, note for the user)."""
     if args.deployment_type == "multi_node":
@@ -231,11 +218,11 @@ def launcher_prefix(args, gpus: int) -> tuple[list, str]:
     if gpus == 0:
         ranks = args.cpu_ranks if args.deployment_type == "single_node" else 1
         if ranks > 1:
-            return ([deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(_free_port())],
+            return ([deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(free_port())],
                     f"no GPU found: {args.deployment_type} runs {ranks} CPU ranks")
         return [sys.executable], f"no GPU found: {args.deployment_type} runs on the CPU in one process"
     n = 1 if args.deployment_type == "single_gpu" else (args.num_gpus or gpus)
-    return [deepspeed_launcher(), "--num_gpus", str(n), "--master_port", str(_free_port())], f"{n} GPU(s)"
+    return [deepspeed_launcher(), "--num_gpus", str(n), "--master_port", str(free_port())], f"{n} GPU(s)"
 
 
 def reward_from_actor(args) -> bool:

@@ -6,8 +6,8 @@
     .venv/bin/python scripts/gen_matrix_table.py --verify --steps step1 --missing-only
 
 The expected outcome of every cell comes from :mod:`utils.compat` (the rules each
-step checks up front); the "T" marks come from ``tests/test_multiproc.py``'s
-``TWO_RANK_RUNS``. ``--verify`` launches each cell as a real 2-rank run
+step checks up front); the "T" marks come from ``utils.compat.TWO_RANK_CELLS`` (the cells
+``tests/test_multiproc.py`` runs with 2 ranks). ``--verify`` launches each cell as a real 2-rank run
 (``deepspeed --num_gpus 2``, one optimizer step, tiny model) and records what it saw
 (works / refused by which rule / crashed) inside the document (an HTML comment), so a
 later plain re-render keeps it. The whole sweep takes about an hour on 2 CPU cores;
@@ -21,15 +21,15 @@ import datetime
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-from utils.compat import (DTYPES, LORA, OFFLOAD, RULES, STEPS, ZERO_STAGES, Combination,
+from utils.compat import (DTYPES, LORA, OFFLOAD, RULES, STEPS, TWO_RANK_CELLS, ZERO_STAGES, Combination,
                           all_combinations, expected_outcome)
+from utils.launch import deepspeed_launcher, free_port
 
 DOC = os.path.join(REPO, "docs", "zero_matrix.md")
 SWEEP_MARK = "sweep-results"
@@ -59,27 +59,6 @@ STEP_ARGS = {
 }
 
 
-def combination_args(combo: Combination) -> list:
-    """The step's flags for one matrix cell (step 3: the same stage / LoRA for actor and critic)."""
-    if combo.step == "step3":
-        args = ["--actor_zero_stage", str(combo.zero_stage), "--critic_zero_stage", str(combo.zero_stage)]
-        if combo.lora:
-            args += ["--actor_lora_dim", "4", "--critic_lora_dim", "4", "--only_optimize_lora"]
-    else:
-        args = ["--zero_stage", str(combo.zero_stage)]
-        if combo.lora:
-            args += ["--lora_dim", "4", "--only_optimize_lora"]
-    if combo.offload:
-        args.append("--offload")
-    return args + ["--dtype", combo.dtype]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1")
@@ -94,8 +73,8 @@ def launch(script: str, args: list, ranks: int, timeout: int) -> subprocess.Comp
     if ranks == 1:
         cmd = [sys.executable, os.path.join(REPO, script)]
     else:
-        launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(_free_port()), os.path.join(REPO, script)]
+        cmd = [deepspeed_launcher(), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+               os.path.join(REPO, script)]
     try:
         return subprocess.run(cmd + [str(a) for a in args], cwd=REPO, env=_env(), capture_output=True, text=True,
                               timeout=timeout)
@@ -136,7 +115,7 @@ def prepare_inputs(work: str) -> dict:
 
 
 def run_cell(combo: Combination, work: str, inputs: dict, timeout: int) -> dict:
-    args = [a.format(**inputs) for a in STEP_ARGS[combo.step]] + QUICK + combination_args(combo)
+    args = [a.format(**inputs) for a in STEP_ARGS[combo.step]] + QUICK + combo.flags()
     out_dir = os.path.join(work, "out", combo.key.replace("|", "_"))
     args += ["--data_output_path", os.path.join(work, f"data_{combo.step}"), "--output_dir", out_dir,
              "--overwrite"]  # a reused --work folder holds the previous verification's models
@@ -152,10 +131,8 @@ def run_cell(combo: Combination, work: str, inputs: dict, timeout: int) -> dict:
 # ----------------------------------------------------------------------------- the document
 
 def tested_cells() -> dict:
-    """key → test name of the cells ``tests/test_multiproc.py`` runs with 2 ranks."""
-    from tests.test_multiproc import TWO_RANK_RUNS
-
-    return {run.combination.key: run.test for run in TWO_RANK_RUNS.values()}
+    """key → test name of the cells ``tests/test_multiproc.py`` runs with 2 ranks (``utils.compat.TWO_RANK_CELLS``)."""
+    return {combo.key: test for combo, test in TWO_RANK_CELLS.items()}
 
 
 def read_sweep(path: str = DOC) -> dict:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from utils.checkpoint import (KILL_AT_STEP_ENV, MANIFEST, STATE, CheckpointManager, EpochSampler, ModuleState,
+from utils import fault_injection
+from utils.checkpoint import (MANIFEST, STATE, CheckpointManager, EpochSampler, ModuleState,
                               resumable_loader, rng_state, set_rng_state, verify_manifest, write_manifest)
-from utils.errors import NAN_AT_STEP_ENV, TrainingDiverged, UserInputError, check_finite
+from utils.errors import TrainingDiverged, UserInputError, check_finite
 
 
 class FakeEngine:
@@ -243,13 +244,33 @@ def test_stale_temporary_folders_are_ignored_and_cleaned(tmp_path):
 
 def test_kill_hook_sigkills_at_the_named_step_only(tmp_path):
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from utils.checkpoint import kill_point\n"
+            "from utils.fault_injection import kill_point\n"
             "for step in range(1, 6):\n"
             "    print(step, flush=True)\n"
             "    kill_point(step)\n") % os.getcwd()
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{KILL_AT_STEP_ENV: "3"}),
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **fault_injection.setting("kill", 3)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9 and proc.stdout.split() == ["1", "2", "3"]
+
+
+def test_fault_injection_does_nothing_unless_set(monkeypatch):
+    monkeypatch.delenv(fault_injection.ENV, raising=False)
+    assert fault_injection.fault() is None and not fault_injection.nan_at(3)
+    fault_injection.kill_point(3)  # returns
+    monkeypatch.setenv(fault_injection.ENV, "")
+    assert fault_injection.fault() is None
+    monkeypatch.setenv(fault_injection.ENV, "kill@3")
+    assert fault_injection.fault() == ("kill", 3) and not fault_injection.nan_at(3)
+    fault_injection.kill_point(2)  # another step: returns
+
+
+@pytest.mark.parametrize("value", ["3", "nan", "nan@", "nan@0", "nan@-1", "boom@3", "kill@3,nan@5", "kill@3x"])
+def test_fault_injection_refuses_a_malformed_setting(monkeypatch, value):
+    monkeypatch.setenv(fault_injection.ENV, value)
+    with pytest.raises(UserInputError, match=r"DSCHAT_FAULT_INJECT=.*expected KIND@STEP.*nan, kill, interrupt"):
+        check_finite(1, loss=1.0)
+    with pytest.raises(UserInputError, match="DSCHAT_FAULT_INJECT="):
+        fault_injection.kill_point(1)
 
 
 # --------------------------------------------------------------------------- NaN guard
@@ -260,7 +281,7 @@ def test_check_finite_names_step_and_quantity(monkeypatch):
         check_finite(7, loss=1.0, reward=float("inf"))
     with pytest.raises(TrainingDiverged, match=r"non-finite loss \(nan\) at step 2"):
         check_finite(2, loss=torch.tensor(float("nan")))
-    monkeypatch.setenv(NAN_AT_STEP_ENV, "3")
+    monkeypatch.setenv(fault_injection.ENV, "nan@3")
     check_finite(2, actor_loss=1.0)
     with pytest.raises(TrainingDiverged, match=r"non-finite actor_loss \(nan\) at step 3"):
         check_finite(3, actor_loss=1.0, critic_loss=1.0)

@@ -14,7 +14,8 @@ ZeRO-2 outputs. The tests check that the 2-rank results mean what 1-rank results
 * step 3 under ZeRO 3 (synced generation, EMA on) produces the same first-step
   average reward as under ZeRO 2.
 
-The "T" marks of docs/zero_matrix.md come from ``TWO_RANK_RUNS``.
+The "T" marks of docs/zero_matrix.md come from ``utils.compat.TWO_RANK_CELLS``, which must
+list exactly the cells of ``TWO_RANK_RUNS`` with the same test names (checked here, cheaply).
 """
 import json
 import math
@@ -26,9 +27,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.conftest import REPO
-from utils.compat import STEPS, Combination
-
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+from utils.compat import STEPS, TWO_RANK_CELLS, Combination
+from utils.launch import deepspeed_launcher, free_port
 
 DATA = ["--data_path", "builtin/preference-small", "--seed", "1234"]
 # eval batch 1: a mean of per-batch means is then the same for any split of the eval set over ranks
@@ -45,15 +45,6 @@ class TwoRankRun:
     launcher: str  # "deepspeed" or "torchrun"
     test: str  # the test that checks it
     args: tuple = field(default=())
-
-
-def _flags(c: Combination) -> list:
-    if c.step == "step3":
-        flags = ["--actor_zero_stage", str(c.zero_stage), "--critic_zero_stage", str(c.zero_stage)]
-        flags += ["--actor_lora_dim", "4", "--critic_lora_dim", "4", "--only_optimize_lora"] if c.lora else []
-    else:
-        flags = ["--zero_stage", str(c.zero_stage)] + (["--lora_dim", "4", "--only_optimize_lora"] if c.lora else [])
-    return flags + (["--offload"] if c.offload else []) + ["--dtype", c.dtype]
 
 
 TWO_RANK_RUNS = {
@@ -75,6 +66,16 @@ TWO_RANK_RUNS = {
     "step3_z3": TwoRankRun(Combination("step3", 3, False, False, "fp32"), "torchrun", "test_step3_two_ranks",
                            tuple(PPO + ["--enable_ema"])),
 }
+
+
+def test_two_rank_runs_are_the_cells_listed_in_compat():
+    """Cheap (no run): utils.compat.TWO_RANK_CELLS, the "T" marks of docs/zero_matrix.md, are exactly the cells
+    of TWO_RANK_RUNS, each with the test that checks it."""
+    assert {run.combination: run.test for run in TWO_RANK_RUNS.values()} == TWO_RANK_CELLS
+    assert len(TWO_RANK_RUNS) == len(TWO_RANK_CELLS)  # no cell run twice
+    assert all(callable(globals().get(test)) for test in TWO_RANK_CELLS.values())
+
+
 # 1-rank ZeRO-0 references (plain python)
 ONE_RANK_RUNS = {
     "step1_r1": ("step1", LM + ["--max_steps", "1"]),
@@ -104,18 +105,10 @@ def _env() -> dict:
     return env
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(launcher: str, script: str, args: list) -> subprocess.CompletedProcess:
     bin_dir = os.path.dirname(sys.executable)
     if launcher == "deepspeed":
-        cmd = [os.path.join(bin_dir, "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port())]
+        cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(free_port())]
     elif launcher == "torchrun":
         cmd = [os.path.join(bin_dir, "torchrun"), "--standalone", "--nproc_per_node", "2"]
     else:
@@ -143,7 +136,7 @@ class Runs:
             run = TWO_RANK_RUNS[name]
             step, launcher = run.combination.step, run.launcher
             inputs = {k: self[k].out_dir for k in ("step1_z2", "step2_rm_z2")} if step == "step3" else {}
-            args = [a.format(**inputs) for a in run.args] + _flags(run.combination)
+            args = [a.format(**inputs) for a in run.args] + run.combination.flags()
         out_dir, data_dir = str(self.base / name / "out"), str(self.base / name / "data")
         proc = _launch(launcher, STEPS[step], DATA + args + ["--data_output_path", data_dir, "--output_dir", out_dir])
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -203,6 +196,8 @@ def close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 # --------------------------------------------------------------------------- the steps
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_step1_two_ranks(runs):
     from transformers import AutoModelForCausalLM
 
@@ -226,6 +221,8 @@ def test_step1_two_ranks(runs):
     assert close(z2.rows("eval")[0]["loss"], one.rows("eval")[0]["loss"])
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_reward_model_two_ranks(runs):
     from utils.model.critic import load_reward_model
 
@@ -244,6 +241,8 @@ def test_reward_model_two_ranks(runs):
         assert close(before_2[key], before_1[key]), (key, before_2, before_1)
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_dpo_two_ranks(runs):
     from transformers import AutoModelForCausalLM
 
@@ -256,6 +255,8 @@ def test_dpo_two_ranks(runs):
         assert [r["step"] for r in result.rows("train")] == [1, 2]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_step3_two_ranks(runs):
     from transformers import AutoModelForCausalLM
 

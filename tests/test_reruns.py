@@ -16,6 +16,7 @@ import pytest
 
 import train
 from tests.conftest import run_entry
+from utils import fault_injection
 from utils.errors import UserInputError
 
 
@@ -206,7 +207,7 @@ def test_ctrl_c_then_resume_then_refused_as_finished_then_overwrite(tmp_path):
              "--save_interval 2")
     cmd = ["train.py", "--step", "1", "--output-dir", out, "--step1-args", step1]
     env = {"OMP_NUM_THREADS": "1"}
-    res = run_entry(*cmd, env=dict(env, DSCHAT_TEST_INTERRUPT_AT_STEP="3"), timeout=300)
+    res = run_entry(*cmd, env=dict(env, **fault_injection.setting("interrupt", 3)), timeout=300)
     text = res.stdout + res.stderr
     assert res.returncode == 128 + signal.SIGINT, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text

@@ -1,12 +1,12 @@
 """Crash and resume, end to end on CPU, for every step.
 
 For each step: an uninterrupted reference run, and the same command killed with SIGKILL
-right after optimizer step 7 (``DSCHAT_TEST_KILL_AT_STEP``; checkpoints every 3 steps,
+right after optimizer step 7 (``DSCHAT_FAULT_INJECT=kill@7``; checkpoints every 3 steps,
 so steps 3 and 6 are on disk), then rerun without the hook. The rerun must resume from
 step 6 and end with final weights BITWISE equal to the reference run's (same seed,
 dropout on, so the restored RNG states and data position matter). A corrupted newest
 checkpoint must be reported and skipped (resume from step 3, same final weights), and a
-NaN at step 7 (``DSCHAT_FAULT_INJECT_NAN_AT_STEP``) must stop with exit code 3, leaving
+NaN at step 7 (``DSCHAT_FAULT_INJECT=nan@7``) must stop with exit code 3, leaving
 the checkpoints as they were and no final model.
 """
 import os
@@ -15,9 +15,10 @@ import shutil
 import pytest
 
 from tests.conftest import run_entry
+from utils import fault_injection
 
-KILL = "DSCHAT_TEST_KILL_AT_STEP"
-NAN = "DSCHAT_FAULT_INJECT_NAN_AT_STEP"
+KILL_AT_7 = fault_injection.setting("kill", 7)
+NAN_AT_7 = fault_injection.setting("nan", 7)
 ENV = {"OMP_NUM_THREADS": "1"}
 CHECKPOINTING = ["--save_interval", "3", "--max_steps", "8"]
 
@@ -116,7 +117,7 @@ def prepared(name, tmp_path_factory):
             (base / "inputs").mkdir()
             make_inputs(base / "inputs")
         ok(run(step, base / "reference", data))
-        killed = run(step, base / "killed", data, env={KILL: "7"})
+        killed = run(step, base / "killed", data, env=KILL_AT_7)
         assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]
         assert checkpoint_steps(base / "killed") == ["step-00000003", "step-00000006"]
         assert not final_weight_files(base / "killed")
@@ -144,7 +145,7 @@ def test_killed_run_stops_on_nan_then_resumes_to_bitwise_equal_weights(name, tmp
 
     # a NaN at step 7 of the rerun: exit 3 naming the step, checkpoints untouched, no final model
     manifests = {n: (out / "checkpoints" / n / "MANIFEST.json").read_bytes() for n in checkpoint_steps(out)}
-    proc = run(step, out, data, env={NAN: "7"})
+    proc = run(step, out, data, env=NAN_AT_7)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert f"error: non-finite {step[2]} (nan) at step 7" in proc.stderr and "Traceback" not in proc.stderr
     assert {n: (out / "checkpoints" / n / "MANIFEST.json").read_bytes() for n in checkpoint_steps(out)} == manifests
@@ -204,7 +205,7 @@ def test_two_rank_zero2_run_resumes_across_an_epoch_boundary(tmp_path):
         return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
 
     ok(torchrun(tmp_path / "reference"))
-    killed = torchrun(tmp_path / "run", env={KILL: "7"})
+    killed = torchrun(tmp_path / "run", env=KILL_AT_7)
     assert killed.returncode != 0
     state = tmp_path / "run" / "checkpoints" / "step-00000006"
     assert {"rng-rank0.pt", "rng-rank1.pt"} <= set(os.listdir(state))

@@ -40,10 +40,10 @@ them (``weights_only=False``); they are loaded only after their sizes and sha256
 the manifest. That detects corruption and truncation, not tampering: whoever can write
 the checkpoint folder can rewrite the manifest too, so only resume from folders you trust.
 
-Test-only fault hooks (read only here): ``DSCHAT_TEST_KILL_AT_STEP=N`` makes the process
-SIGKILL itself right after optimizer step N (after any checkpoint of that step), to
-test resuming from a hard crash; ``DSCHAT_TEST_INTERRUPT_AT_STEP=N`` sends it SIGINT
-there instead (a Ctrl-C).
+Test hook: :meth:`CheckpointManager.step_done` ends with :func:`utils.fault_injection.kill_point`,
+which with ``DSCHAT_FAULT_INJECT=kill@N`` makes the process SIGKILL itself right after optimizer
+step N (after any checkpoint of that step), to test resuming from a hard crash, and with
+``interrupt@N`` sends it SIGINT there instead (a Ctrl-C); unset, it does nothing.
 """
 from __future__ import annotations
 
@@ -53,8 +53,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import sys
 import time
 from typing import Callable, Dict, Optional
 
@@ -62,6 +60,7 @@ import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
+from utils import fault_injection
 from utils.errors import UserInputError
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
 from utils.entrypoint import PROGRESS
@@ -69,8 +68,6 @@ from utils.files import is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
-KILL_AT_STEP_ENV = "DSCHAT_TEST_KILL_AT_STEP"
-INTERRUPT_AT_STEP_ENV = "DSCHAT_TEST_INTERRUPT_AT_STEP"
 _NAME = re.compile(r"^step-(\d{8})$")
 # Flags that may differ between an interrupted run and its resume: those that do not change what a run
 # computes (paths, logging, evaluation, checkpoint cadence), and the run length, so that a run can be
@@ -289,16 +286,6 @@ def _broadcast(obj):
     return obj
 
 
-def kill_point(step: int) -> None:
-    """Test-only: SIGKILL (SIGINT) this process after optimizer step ``$DSCHAT_TEST_KILL_AT_STEP``
-    (``$DSCHAT_TEST_INTERRUPT_AT_STEP``)."""
-    for env, sig in ((KILL_AT_STEP_ENV, signal.SIGKILL), (INTERRUPT_AT_STEP_ENV, signal.SIGINT)):
-        if os.environ.get(env) == str(step):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), sig)
-
-
 # --------------------------------------------------------------------------- manager
 
 class CheckpointManager:
@@ -413,14 +400,14 @@ class CheckpointManager:
 
     def step_done(self, step: int, engines: Dict[str, object], trainer_state: Callable[[], dict]) -> None:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
-        ``--save_interval`` steps, then the test-only kill hook."""
+        ``--save_interval`` steps, then the test hook (``utils.fault_injection.kill_point``)."""
         PROGRESS["step"] = step
         if self.save_interval > 0 and step % self.save_interval == 0:
             start = time.time()
             path = self.save(step, engines, trainer_state())
             PROGRESS.update(checkpoint=step, checkpoints=self.root)
             self.log(f"saved checkpoint {path} ({time.time() - start:.2f}s)")
-        kill_point(step)
+        fault_injection.kill_point(step)
 
     # ------------------------------------------------------------------ load
 

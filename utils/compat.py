@@ -6,7 +6,8 @@ one clear :class:`UserInputError` instead of a crash deep inside DeepSpeed.
 
 The same rules render the table in ``docs/zero_matrix.md``
 (``scripts/gen_matrix_table.py``; ``--verify`` runs every combination with two
-CPU ranks and records what happened) and drive ``tests/test_zero_matrix.py``.
+CPU ranks and records what happened) and drive ``tests/test_zero_matrix.py``;
+:data:`TWO_RANK_CELLS` lists the cells ``tests/test_multiproc.py`` runs with two ranks.
 
 Pure module: no torch / DeepSpeed imports at load time.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from utils.arguments import DTYPES, ZERO_STAGES
 from utils.errors import UserInputError
@@ -46,6 +47,38 @@ class Combination:
         """Stable text id, e.g. ``step1|z3|offload|lora|bf16`` (used by the doc and the sweep)."""
         return "|".join([self.step, f"z{self.zero_stage}", "offload" if self.offload else "-",
                          "lora" if self.lora else "-", self.dtype])
+
+    def flags(self) -> List[str]:
+        """The step's command-line flags for this cell (step 3: the same stage / LoRA for actor and critic).
+
+        LoRA cells train rank-4 adapters only (``--lora_dim 4 --only_optimize_lora``). Used by the
+        sweep (``scripts/gen_matrix_table.py``) and the 2-rank tests (``tests/test_multiproc.py``).
+        """
+        if self.step == "step3":
+            flags = ["--actor_zero_stage", str(self.zero_stage), "--critic_zero_stage", str(self.zero_stage)]
+            if self.lora:
+                flags += ["--actor_lora_dim", "4", "--critic_lora_dim", "4", "--only_optimize_lora"]
+        else:
+            flags = ["--zero_stage", str(self.zero_stage)]
+            if self.lora:
+                flags += ["--lora_dim", "4", "--only_optimize_lora"]
+        if self.offload:
+            flags.append("--offload")
+        return flags + ["--dtype", self.dtype]
+
+
+# The cells tests/test_multiproc.py runs with 2 ranks, and the test that checks each (the "T" marks of
+# docs/zero_matrix.md; test_multiproc.py checks that its runs are exactly these).
+TWO_RANK_CELLS: Dict[Combination, str] = {
+    Combination("step1", 2, False, False, "fp32"): "test_step1_two_ranks",
+    Combination("step1", 3, False, True, "bf16"): "test_step1_two_ranks",
+    Combination("step2_rm", 2, False, False, "fp32"): "test_reward_model_two_ranks",
+    Combination("step2_rm", 3, False, True, "bf16"): "test_reward_model_two_ranks",
+    Combination("step2_dpo", 2, False, False, "fp32"): "test_dpo_two_ranks",
+    Combination("step2_dpo", 3, False, False, "bf16"): "test_dpo_two_ranks",
+    Combination("step3", 2, False, False, "fp32"): "test_step3_two_ranks",
+    Combination("step3", 3, False, False, "fp32"): "test_step3_two_ranks",
+}
 
 
 @dataclass(frozen=True)

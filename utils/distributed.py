@@ -9,9 +9,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 
 import torch
+
+from utils.launch import free_port
 
 
 def get_rank() -> int:
@@ -39,12 +40,6 @@ def print_rank_0(msg, rank=None) -> None:
 def barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(args) -> torch.device:

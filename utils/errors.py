@@ -22,19 +22,17 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss/reward: training stops, nothing new is saved (message names step and quantity)."""
 
 
-NAN_AT_STEP_ENV = "DSCHAT_FAULT_INJECT_NAN_AT_STEP"
-
-
 def check_finite(step: int, **values) -> None:
     """Raise :class:`TrainingDiverged` naming the step and the first non-finite quantity (floats or 0-d tensors).
 
-    Test-only fault hook: with ``DSCHAT_FAULT_INJECT_NAN_AT_STEP=N`` the first quantity
+    Test hook (:mod:`utils.fault_injection`): with ``DSCHAT_FAULT_INJECT=nan@N`` the first quantity
     checked at step N reads as NaN (tests that every step stops there, saving nothing new).
     """
     import math
-    import os
 
-    poisoned = os.environ.get(NAN_AT_STEP_ENV) == str(step)
+    from utils import fault_injection
+
+    poisoned = fault_injection.nan_at(step)
     for name, value in values.items():
         value = float(value.detach()) if hasattr(value, "detach") else float(value)
         if poisoned:
