@@ -116,7 +116,7 @@ def check_sequence_fits(flag: str, name_or_path: str, length: int, length_flags:
 
 def check_reward_model_path(flag: str, name_or_path: str) -> str:
     """A step-2 output folder (marker, or reward weights with a value head)."""
-    from utils.model.critic import WEIGHTS_FILE, check_reward_model_folder, read_marker
+    from utils.model.critic import check_reward_model_folder
     from utils.model.model_utils import resolve_model_name_or_path
 
     try:
@@ -124,14 +124,6 @@ def check_reward_model_path(flag: str, name_or_path: str) -> str:
     except UserInputError as e:
         raise UserInputError(f"{flag}: {e}") from None
     check_weights_readable(flag, folder)
-    weights = os.path.join(folder, WEIGHTS_FILE)
-    if read_marker(folder) is None and os.path.isfile(weights):
-        from safetensors import safe_open
-
-        with safe_open(weights, framework="pt") as f:
-            if "v_head.weight" not in f.keys():
-                raise UserInputError(f"{flag} {name_or_path}: {folder} is not a step-2 reward model folder (no "
-                                     "value head; is it a step-1 / plain HF folder?)")
     return folder
 
 

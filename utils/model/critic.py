@@ -72,7 +72,8 @@ def _weights_file(folder: str) -> str | None:
 
 
 def check_reward_model_folder(folder: str) -> str:
-    """``folder`` if it looks like a step-2 output (marker or reward weights), else a clear error."""
+    """``folder`` if it looks like a step-2 output (a marker, or reward weights with a value head), else a clear
+    error."""
     if not os.path.isdir(folder):
         raise UserInputError(f"reward model folder {folder!r} does not exist (give the --output_dir of step 2)")
     marker = read_marker(folder)
@@ -81,6 +82,13 @@ def check_reward_model_folder(folder: str) -> str:
         what = f"{MARKER_FILE} and " if marker is None else ""
         raise UserInputError(f"{folder} is not a step-2 reward model folder: missing {what}{WEIGHTS_FILE} "
                              "(give the --output_dir of step2_reward_model_finetuning)")
+    if marker is None and weights.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(weights, framework="pt") as f:
+            if "v_head.weight" not in f.keys():
+                raise UserInputError(f"{folder} is not a step-2 reward model folder: its {WEIGHTS_FILE} has no "
+                                     "value head (v_head.weight; is it a step-1 / plain HF folder?)")
     return folder
 
 
