@@ -99,9 +99,11 @@ class Step3Config:
     unsupervised: bool  # --unsupervised_dataset_name given: the actor also trains on text (PPO-ptx)
 
     @classmethod
-    def from_args(cls, args, dtype: str) -> "Step3Config":
-        """From step 3's parsed flags; ``dtype`` is ``--dtype`` resolved for the device."""
-        unsupervised = bool(args.unsupervised_dataset_name)
+    def from_args(cls, args) -> "Step3Config":
+        """From step 3's parsed flags, after :func:`utils.training.start_run` resolved ``--dtype``."""
+        dtype, unsupervised = args.dtype, bool(args.unsupervised_dataset_name)
+        if dtype is None:
+            raise ValueError("Step3Config.from_args needs --dtype resolved (utils.training.start_run does it)")
 
         def role(name: str, offload_frozen: bool, grad_accum: int) -> RoleConfig:
             return RoleConfig(model_name_or_path=getattr(args, f"{name}_model_name_or_path"),

@@ -284,8 +284,8 @@ def main(args):
 
     # ---- set-up: distributed, precision, seed, logger; the configuration of engines, PPO and generation
     device, log = start_run(args, "step3_model")
-    config = Step3Config.from_args(args, args.dtype)
-    if args.align_overflow and args.dtype != "fp16":
+    config = Step3Config.from_args(args)
+    if args.align_overflow and not config.ppo.align_overflow:
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
 
     # ---- tokenizer, data, models
