@@ -61,9 +61,9 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from utils import fault_injection
-from utils.errors import UserInputError
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
 from utils.entrypoint import PROGRESS
+from utils.errors import UserInputError
 from utils.files import is_write_failure
 
 MANIFEST = "MANIFEST.json"

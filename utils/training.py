@@ -12,23 +12,25 @@ Steps 1, 2 and DPO and step 3's engines are built from these pieces:
 
 LoRA is applied with :func:`utils.lora.apply_lora`; saving gathers with
 :func:`utils.model.model_utils.gather_for_saving`. DeepSpeed and transformers are
-imported inside the functions, so importing this module stays light.
+imported inside the functions, so importing this module stays light (torch only).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from utils.distributed import get_world_size
+from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from utils.checkpoint import resumable_loader
+from utils.distributed import get_world_size, init_distributed
+from utils.logger import TrainLogger
+from utils.runtime import resolve_dtype, set_random_seed
 
 
 def start_run(args, name: str):
     """``(device, log)``: the process group (sets ``args.local_rank`` / ``global_rank``), ``--dtype``'s
     device default, the seed, and a :class:`~utils.logger.TrainLogger` called ``name``."""
-    from utils.distributed import init_distributed
-    from utils.logger import TrainLogger
-    from utils.runtime import resolve_dtype, set_random_seed
-
     device = init_distributed(args)
     resolve_dtype(args)
     set_random_seed(args.seed)
@@ -85,11 +87,6 @@ def step_ds_config(args, tb_name: str) -> dict:
 def make_loaders(train_dataset, eval_dataset, collate, args):
     """``(train, eval)`` loaders: train shuffled per (seed, epoch) and resumable mid-epoch
     (:func:`utils.checkpoint.resumable_loader`), eval in order and sharded across ranks."""
-    from torch.utils.data import DataLoader, SequentialSampler
-    from torch.utils.data.distributed import DistributedSampler
-
-    from utils.checkpoint import resumable_loader
-
     train = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
     sampler = (DistributedSampler(eval_dataset, shuffle=False) if get_world_size() > 1
                else SequentialSampler(eval_dataset))
