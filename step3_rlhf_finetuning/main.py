@@ -31,7 +31,8 @@ from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPO
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
-                             add_rlhf_role_args, add_run_args, add_trust_remote_code_arg, validate_common)
+                             add_rlhf_role_args, add_run_args, add_sampling_args, add_trust_remote_code_arg,
+                             validate_common)
 from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
@@ -101,11 +102,7 @@ def parse_args(argv=None):
                    help="fp16: skip both actor and critic steps when either overflows.")
 
     g = parser.add_argument_group("generation")
-    g.add_argument("--do_sample", action="store_true",
-                   help="Sample answers (exploration); default greedy, like DeepSpeed-Chat.")
-    g.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
-    g.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off; with --do_sample).")
-    g.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
+    add_sampling_args(g)
     g.add_argument("--generation_backend", default="auto", choices=BACKENDS,
                    help="How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
                         "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, hf on "

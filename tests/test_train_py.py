@@ -188,6 +188,15 @@ def test_held_out_check_runs_only_on_builtin_data():
     assert train.builtin_dataset(args) == "builtin/preference-small"
 
 
+def test_held_out_check_samples_as_step3_sampled():
+    """The demo samples in step 3 (top-k 5), so the check also scores sampled answers, with step 3's settings."""
+    assert train.step3_sampling(train.parse_args(["--demo"])) == {"temperature": 1.0, "top_k": 5, "top_p": 1.0}
+    assert train.step3_sampling(train.parse_args(["--demo", "--step3-args", "--top_k 0 --temperature 0.7"])) == \
+        {"temperature": 0.7, "top_k": 0, "top_p": 1.0}  # the user's flags win, as in the step's own command
+    assert train.step3_sampling(train.parse_args([])) is None  # greedy step 3: greedy answers only
+    assert train.step3_sampling(train.parse_args(["--demo", "--step", "1", "2"])) is None  # no step 3 in this run
+
+
 # --------------------------------------------------------------------------- summary (utils/summary.py)
 
 def write_rows(folder, rows):
@@ -243,12 +252,30 @@ def test_summary_shows_the_held_out_check(tmp_path):
     text = summary.write_summary(str(tmp_path / "out"), folders, {}, HELDOUT)
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["heldout"] == HELDOUT
     lines = text.splitlines()
-    assert any(line.split()[:6] == ["1", "SFT", "actor", "0.500", "0.500", "0.250"] for line in lines), text
-    assert any(line.split()[:4] == ["3", "PPO", "actor", "1.000"] and line.split()[-1] == "8.0" for line in lines)
-    assert "3 PPO actor: Human: Describe the lamp. Assistant: The lamp is bright and kind and calm." in text
+    assert any(line.split()[:7] == ["1", "SFT", "actor", "greedy", "0.500", "0.500", "0.250"] for line in lines), text
+    assert any(line.split()[:5] == ["3", "PPO", "actor", "greedy", "1.000"] and line.split()[-1] == "8.0"
+               for line in lines)
+    assert "sampled" not in text  # step 3 ran greedy: no sampled rows
+    assert "3 PPO actor, greedy: Human: Describe the lamp. Assistant: The lamp is bright and kind and calm." in text
     assert "accuracy 0.950 (per rejected kind: fewer_good 0.980, repeated_word 0.900)" in text
     assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
     assert "held-out" not in summary.write_summary(str(tmp_path / "out2"), folders, {})  # no check, no block
+
+
+def test_summary_shows_sampled_answers_below_the_greedy_ones(tmp_path):
+    sampled = {"rule_score": 0.75, "all_four": 0.5, "mean_words": 8.5, "n": 320,
+               "checks": {"names_object": 1.0, "only_good": 0.5, "no_repeat": 0.625, "well_formed": 0.875}}
+    heldout = {**HELDOUT, "sampling": {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "per_prompt": 8, "seed": 1234},
+               "actors": {"1": HELDOUT["actors"]["1"], "3": {**HELDOUT["actors"]["3"], "sampled": sampled}}}
+    folders = {n: str(tmp_path / f"missing{n}") for n in (1, 2, 3)}
+    lines = summary.write_summary(str(tmp_path / "out"), folders, {}, heldout).splitlines()
+    rows = [line.split() for line in lines if line.split()[1:3] in (["SFT", "actor"], ["PPO", "actor"])]
+    assert [r[:5] for r in rows] == [["1", "SFT", "actor", "greedy", "0.500"], ["3", "PPO", "actor", "greedy", "1.000"],
+                                     ["1", "SFT", "actor", "8", "sampled"], ["3", "PPO", "actor", "8", "sampled"]]
+    assert rows[2][5:] == ["-"] * 7  # the step-1 actor has no sampled report here: dashes, not zeros
+    assert rows[3][5:] == ["0.750", "1.000", "0.500", "0.625", "0.875", "0.500", "8.5"]
+    assert any("8 answers per prompt sampled as step 3 sampled (temperature 1, top_k 5, top_p 1; seed 1234)" in line
+               for line in lines)
 
 
 def test_summary_of_empty_folders_still_draws(tmp_path):

@@ -137,6 +137,15 @@ def add_eval_args(group) -> None:
     group.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
 
 
+def add_sampling_args(group) -> None:
+    """Step 3's sampling flags (train.py reads them too, for the held-out check of sampled answers)."""
+    group.add_argument("--do_sample", action="store_true",
+                       help="Sample answers (exploration); default greedy, like DeepSpeed-Chat.")
+    group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
+    group.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off; with --do_sample).")
+    group.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
+
+
 def add_offload_reference_arg(group) -> None:
     """DPO and step 3: the frozen reference model (step 3: and the EMA actor) on the CPU."""
     group.add_argument("--offload_reference_model", action="store_true",

@@ -4,7 +4,11 @@
 data. It takes the first distinct prompts of the built-in *eval* split, lets the
 step-1 actor and the step-3 actor answer them greedily (plain Hugging Face
 ``model.generate`` on the saved folders) and scores the answers with the rules of
-:mod:`utils.data.rule_score`; it also scores every held-out pair with the step-2
+:mod:`utils.data.rule_score`. When step 3 sampled its answers (``--do_sample``), both actors
+also answer each prompt :data:`PER_PROMPT` times with step 3's sampling settings (seeded):
+PPO improves the distribution it samples from, and the greedy answer (that distribution's
+most likely token at each position) can move differently, e.g. repeat a word where most of
+the samples do not. It also scores every held-out pair with the step-2
 reward model to give its accuracy per rejected kind (``fewer_good``,
 ``wrong_object``, ``repeated_word``, …: :mod:`utils.data.builtin`). A few dozen
 short answers on a tiny model: a few seconds on a CPU.
@@ -12,14 +16,16 @@ short answers on a tiny model: a few seconds on a CPU.
 The result (a dict, stored in ``summary.json`` under ``"heldout"``)::
 
     {"prompts": 40, "max_new_tokens": 32,
-     "actors": {"1": {"dir", "rule_score", "checks": {...}, "all_four", "mean_words", "n", "samples"},
+     "sampling": {"temperature": 1.0, "top_k": 5, "top_p": 1.0, "per_prompt": 8, "seed": 1234},  # or absent
+     "actors": {"1": {"dir", "rule_score", "checks": {...}, "all_four", "mean_words", "n", "samples",
+                      "sampled": {"rule_score", "checks", "all_four", "mean_words", "n"}},  # with "sampling"
                 "3": {...}},
      "reward_model": {"dir", "pairs", "accuracy": {"overall": 0.95, "repeated_word": 0.92, ...}}}
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from utils.data import rule_score
 from utils.data.builtin import load_builtin
@@ -27,6 +33,8 @@ from utils.data.builtin import load_builtin
 N_PROMPTS = 40
 MAX_NEW_TOKENS = 32
 N_SAMPLES = 3
+PER_PROMPT = 8  # sampled answers per prompt (with step 3's sampling settings)
+SEED = 1234
 
 
 def heldout_prompts(dataset: str = "builtin/preference", n: int = N_PROMPTS) -> List[str]:
@@ -40,9 +48,13 @@ def heldout_prompts(dataset: str = "builtin/preference", n: int = N_PROMPTS) -> 
     return prompts
 
 
-def greedy_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX_NEW_TOKENS) -> List[str]:
-    """Greedy answers of the causal LM in ``model_dir`` to ``prompts`` (decoded, cut at a new "Human:" turn).
+def actor_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX_NEW_TOKENS,
+                  sampling: Optional[dict] = None, per_prompt: int = 1, seed: int = SEED) -> List[str]:
+    """Answers of the causal LM in ``model_dir`` to ``prompts`` (decoded, cut at a new "Human:" turn).
 
+    Greedy by default: one answer per prompt, in order. With ``sampling`` (``{"temperature",
+    "top_k", "top_p"}``, as step 3's flags) ``per_prompt`` sampled answers per prompt, prompt by
+    prompt, drawn after seeding torch with ``seed`` (the caller's random state is restored afterwards).
     Prompts of the same token length are generated as one batch (no padding, so the same as one at a time).
     """
     import torch
@@ -56,24 +68,36 @@ def greedy_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX
     by_length: Dict[int, List[int]] = {}
     for i, ids in enumerate(encoded):
         by_length.setdefault(len(ids), []).append(i)
-    answers = [""] * len(prompts)
-    for length, indices in by_length.items():
-        ids = torch.stack([encoded[i] for i in indices])
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-        for row, i in enumerate(indices):
-            text = tokenizer.decode(out[row, length:], skip_special_tokens=True)
-            answers[i] = text.split("Human:")[0].strip()
+    decoding = dict(do_sample=False) if sampling is None else dict(
+        do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"],
+        num_return_sequences=per_prompt)
+    n = 1 if sampling is None else per_prompt
+    answers = [""] * (len(prompts) * n)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for length, indices in sorted(by_length.items()):
+            ids = torch.stack([encoded[i] for i in indices])
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **decoding,
+                                     max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)
+            for row in range(out.shape[0]):  # generate returns a prompt's n answers next to each other
+                text = tokenizer.decode(out[row, length:], skip_special_tokens=True)
+                answers[indices[row // n] * n + row % n] = text.split("Human:")[0].strip()
     return answers
 
 
-def actor_report(model_dir: str, prompts: List[str]) -> dict:
-    """Rule-score summary of the greedy answers of the actor in ``model_dir`` (+ its first answers as samples)."""
-    answers = greedy_answers(model_dir, prompts)
+def actor_report(model_dir: str, prompts: List[str], sampling: Optional[dict] = None) -> dict:
+    """Rule-score summary of the greedy answers of the actor in ``model_dir`` (+ its first answers as samples).
+
+    With ``sampling``, also ``"sampled"``: the summary of :data:`PER_PROMPT` sampled answers per prompt.
+    """
+    answers = actor_answers(model_dir, prompts)
     report = {"dir": model_dir, **rule_score.summarize(prompts, answers)}
     report["samples"] = [{"prompt": p.strip(), "answer": a} for p, a in zip(prompts[:N_SAMPLES], answers)]
+    if sampling is not None:
+        sampled = actor_answers(model_dir, prompts, sampling=sampling, per_prompt=PER_PROMPT)
+        report["sampled"] = rule_score.summarize([p for p in prompts for _ in range(PER_PROMPT)], sampled)
     return report
 
 
@@ -94,16 +118,20 @@ def _has_model(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, "config.json"))
 
 
-def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str = "builtin/preference") -> dict:
+def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str = "builtin/preference",
+                  sampling: Optional[dict] = None) -> dict:
     """Rule scores of the actors in ``actor_dirs`` (step -> HF folder) and the reward model's accuracy per kind.
 
-    Folders without a model are skipped; the result's layout is in the module docstring.
+    ``sampling``: step 3's ``{"temperature", "top_k", "top_p"}`` when it sampled, to score sampled
+    answers too. Folders without a model are skipped; the result's layout is in the module docstring.
     """
     prompts = heldout_prompts(dataset)
     result = {"prompts": len(prompts), "max_new_tokens": MAX_NEW_TOKENS, "actors": {}}
+    if sampling is not None:
+        result["sampling"] = {**sampling, "per_prompt": PER_PROMPT, "seed": SEED}
     for step, folder in sorted(actor_dirs.items()):
         if _has_model(folder):
-            result["actors"][str(step)] = actor_report(folder, prompts)
+            result["actors"][str(step)] = actor_report(folder, prompts, sampling)
     if rm_dir and _has_model(rm_dir):
         result["reward_model"] = reward_model_report(rm_dir, dataset)
     return result

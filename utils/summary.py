@@ -179,26 +179,34 @@ CHECK_NAMES = {"names_object": "names object", "only_good": "only good", "no_rep
 
 
 def format_heldout(heldout: dict) -> str:
-    """The held-out check as text: one line per actor, then the reward model's accuracy per rejected kind."""
+    """The held-out check as text: one line per actor and kind of answers, then the reward model's accuracy per kind."""
     lines = []
     actors = heldout.get("actors") or {}
     if actors:
-        lines.append(f"held-out check without the reward model ({heldout.get('prompts')} built-in eval prompts, "
-                     "greedy answers; rule score = share of the checks passed):")
-        head = ["actor", "rule score", *CHECK_NAMES.values(), "all four", "mean words"]
+        sampling = heldout.get("sampling")
+        lines.append(f"held-out check without the reward model ({heldout.get('prompts')} built-in eval prompts; "
+                     "rule score = share of the checks passed):")
+        if sampling:
+            lines.append(f"  greedy answers, and {sampling['per_prompt']} answers per prompt sampled as step 3 "
+                         f"sampled (temperature {sampling['temperature']:g}, top_k {sampling['top_k']}, "
+                         f"top_p {sampling['top_p']:g}; seed {sampling['seed']})")
+        head = ["actor", "answers", "rule score", *CHECK_NAMES.values(), "all four", "mean words"]
         table = [head]
-        for key, a in sorted(actors.items()):
-            checks = a.get("checks", {})
-            table.append([HELDOUT_ACTORS.get(key, key), _f(a.get("rule_score")),
-                          *(_f(checks.get(name)) for name in CHECK_NAMES), _f(a.get("all_four")),
-                          _f(a.get("mean_words"), 1)])
+        kinds = [("greedy", None)] + ([(f"{sampling['per_prompt']} sampled", "sampled")] if sampling else [])
+        for label, key in kinds:
+            for step, report in sorted(actors.items()):
+                a = report if key is None else report.get(key) or {}
+                checks = a.get("checks", {})
+                table.append([HELDOUT_ACTORS.get(step, step), label, _f(a.get("rule_score")),
+                              *(_f(checks.get(name)) for name in CHECK_NAMES), _f(a.get("all_four")),
+                              _f(a.get("mean_words"), 1)])
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-        lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        lines += ["  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                   for r in table]
-        for key, a in sorted(actors.items()):
+        for step, a in sorted(actors.items()):
             if a.get("samples"):
                 sample = a["samples"][0]
-                lines.append(f"  {HELDOUT_ACTORS.get(key, key)}: {sample['prompt']} {sample['answer']}")
+                lines.append(f"  {HELDOUT_ACTORS.get(step, step)}, greedy: {sample['prompt']} {sample['answer']}")
     rm = heldout.get("reward_model")
     if rm:
         acc = rm.get("accuracy", {})
@@ -264,12 +272,12 @@ def _bars(ax, title, groups: dict, ylabel):
         ax.bar(xs, [values.get(k, 0.0) for k in labels], width=width, label=series_label)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels([k.replace("_", " ") for k in labels], rotation=30, ha="right", fontsize=7)
-    ax.set_ylim(0, 1.2)  # room for the legend above the bars
+    ax.set_ylim(0, 1.2 if len(groups) <= 2 else 1.45)  # room for the legend above the bars
     ax.set_ylabel(ylabel, fontsize=8)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3, axis="y")
     if len(groups) > 1:
-        ax.legend(fontsize=7, loc="upper center", ncol=len(groups))
+        ax.legend(fontsize=7, loc="upper center", ncol=min(len(groups), 2))
 
 
 def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
@@ -278,9 +286,12 @@ def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
     _bars(ax_rm, "Step 2: held-out accuracy per rejected kind", {"accuracy": accuracy} if accuracy else {},
           "accuracy")
     groups = {}
-    for key, a in sorted((heldout.get("actors") or {}).items()):
-        groups[HELDOUT_ACTORS.get(key, key)] = {"rule score": a.get("rule_score", 0.0), **a.get("checks", {}),
-                                                "all four": a.get("all_four", 0.0)}
+    for suffix, key in (("", None), (", sampled", "sampled")):
+        for step, report in sorted((heldout.get("actors") or {}).items()):
+            a = report if key is None else report.get(key)
+            if a:
+                groups[HELDOUT_ACTORS.get(step, step) + suffix] = {
+                    "rule score": a.get("rule_score", 0.0), **a.get("checks", {}), "all four": a.get("all_four", 0.0)}
     _bars(ax_rules, "Held-out rule score (no reward model)", groups, "share of answers / score")
 
 
