@@ -274,7 +274,7 @@ def test_summary_shows_sampled_answers_below_the_greedy_ones(tmp_path):
                                      ["1", "SFT", "actor", "8", "sampled"], ["3", "PPO", "actor", "8", "sampled"]]
     assert rows[2][5:] == ["-"] * 7  # the step-1 actor has no sampled report here: dashes, not zeros
     assert rows[3][5:] == ["0.750", "1.000", "0.500", "0.625", "0.875", "0.500", "8.5"]
-    assert any("8 answers per prompt sampled as step 3 sampled (temperature 1, top_k 5, top_p 1; seed 1234)" in line
+    assert any("8 answers per prompt sampled with step 3's settings (temperature 1, top_k 5, top_p 1; seed 1234)" in line
                for line in lines)
 
 

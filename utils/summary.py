@@ -187,8 +187,8 @@ def format_heldout(heldout: dict) -> str:
         lines.append(f"held-out check without the reward model ({heldout.get('prompts')} built-in eval prompts; "
                      "rule score = share of the checks passed):")
         if sampling:
-            lines.append(f"  greedy answers, and {sampling['per_prompt']} answers per prompt sampled as step 3 "
-                         f"sampled (temperature {sampling['temperature']:g}, top_k {sampling['top_k']}, "
+            lines.append(f"  greedy answers, and {sampling['per_prompt']} answers per prompt sampled with "
+                         f"step 3's settings (temperature {sampling['temperature']:g}, top_k {sampling['top_k']}, "
                          f"top_p {sampling['top_p']:g}; seed {sampling['seed']})")
         head = ["actor", "answers", "rule score", *CHECK_NAMES.values(), "all four", "mean words"]
         table = [head]
