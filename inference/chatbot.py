@@ -21,19 +21,29 @@ TURN = " Human: {text} Assistant:"
 
 
 def parse_args(argv=None):
-    from utils.arguments import HelpFormatter
+    from utils.arguments import DTYPES, HelpFormatter, add_sampling_args
 
     p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--path", required=True,
                    help="Actor folder: step 1's output, step 3's output (its actor/ is used) or any causal-LM folder.")
     p.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens per answer.")
-    p.add_argument("--do_sample", action="store_true", help="Sample instead of greedy decoding.")
-    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
-    p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling threshold (with --do_sample).")
+    add_sampling_args(p, do_sample_help="Sample instead of greedy decoding.")
     p.add_argument("--seed", type=int, default=42, help="Random seed (sampling).")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
+                   help="Weights' precision; auto = as saved on a GPU (a bf16-trained actor stays bf16: fp16 can "
+                        "overflow it), fp32 on a CPU.")
     return p.parse_args(argv)
+
+
+def load_dtype(requested: str, device_type: str):
+    """``from_pretrained``'s ``dtype`` for ``--dtype``: "auto" (the saved one) on a GPU, fp32 on a CPU, else as asked."""
+    import torch
+
+    if requested == "auto":
+        return "auto" if device_type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
 
 
 def actor_folder(path: str) -> str:
@@ -48,7 +58,7 @@ class Chatbot:
     """Keeps the conversation history and generates answers with a causal LM."""
 
     def __init__(self, path: str, max_new_tokens: int = 128, device: str | None = None, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0):
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, dtype: str = "auto"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -56,14 +66,14 @@ class Chatbot:
 
         folder = resolve_model_name_or_path(actor_folder(path))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = load_hf_tokenizer(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=os.path.isdir(folder))
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=load_dtype(dtype, self.device.type),
+                                                          local_files_only=os.path.isdir(folder))
         self.model.to(self.device).eval()
         self.generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
                                     eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
         if do_sample:
-            self.generate_kwargs.update(temperature=temperature, top_p=top_p)
+            self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.history = ""
 
@@ -126,15 +136,13 @@ def chat(bot: Chatbot, stream=None, interactive: bool | None = None) -> None:
 
 def validate(args) -> None:
     """Bad flags and model folders as one clear error, before the model is loaded."""
-    import math
-
+    from utils.arguments import check_sampling_args
     from utils.errors import UserInputError
     from utils.preflight import check_causal_lm_path
 
     if args.max_new_tokens < 1:
         raise UserInputError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
-    if args.do_sample and not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1):
-        raise UserInputError("sampling needs --temperature > 0 and 0 < --top_p ≤ 1")
+    check_sampling_args(args)
     check_causal_lm_path("--path", actor_folder(args.path))
 
 
@@ -146,7 +154,8 @@ def main(args) -> None:
     transformers.logging.disable_progress_bar()
     transformers.set_seed(args.seed)
     try:
-        bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p)
+        bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p,
+                      args.top_k, args.dtype)
         chat(bot)
     except KeyboardInterrupt:  # Ctrl-C leaves the chat: no traceback (and no training-run message)
         print("\n[interrupted]", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
                              add_rlhf_role_args, add_run_args, add_sampling_args, add_trust_remote_code_arg,
-                             validate_common)
+                             check_sampling_args, validate_common)
 from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
@@ -157,8 +157,7 @@ def validate_step3(args) -> None:
         raise UserInputError("--unsupervised_dataset_config_name needs --unsupervised_dataset_name")
     if not math.isfinite(args.unsup_coef):
         raise UserInputError(f"--unsup_coef must be finite, got {args.unsup_coef}")
-    if args.do_sample and not (args.temperature > 0 and 0 < args.top_p <= 1 and args.top_k >= 0):
-        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0")
+    check_sampling_args(args)
     for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             raise UserInputError(f"--{name} must be a finite number ≥ 0, got {getattr(args, name)}")

@@ -407,6 +407,8 @@ def test_sequence_lengths_must_fit_the_position_table():
     (["--max_new_tokens", "0"], "--max_new_tokens must be ≥ 1, got 0"),
     (["--do_sample", "--temperature", "0"], "sampling needs --temperature > 0"),
     (["--do_sample", "--top_p", "1.5"], "0 < --top_p ≤ 1"),
+    (["--do_sample", "--top_k", "-1"], "--top_k ≥ 0"),
+    (["--do_sample", "--temperature", "nan"], "sampling needs --temperature > 0"),
 ])
 def test_chat_flags(flags, message):
     from inference.chatbot import parse_args, validate

@@ -93,3 +93,19 @@ def test_missing_folder_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "chat.py"), "--path", str(tmp_path / "nope")],
                          input="quit\n", capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "nope" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_weights_load_as_saved_on_a_gpu_and_in_fp32_on_a_cpu():
+    """A bf16-trained actor must not be cast to fp16 on a GPU (fp16's range can overflow it): "auto" keeps
+    the saved dtype there; a CPU computes in fp32 unless --dtype says otherwise."""
+    from inference.chatbot import load_dtype
+
+    assert load_dtype("auto", "cuda") == "auto" and load_dtype("auto", "cpu") is torch.float32
+    assert load_dtype("bf16", "cpu") is torch.bfloat16 and load_dtype("fp16", "cuda") is torch.float16
+
+
+def test_bf16_and_top_k_sampling_on_a_cpu(tiny_folder):
+    bot = Chatbot(tiny_folder, max_new_tokens=4, device="cpu", do_sample=True, top_k=1, dtype="bf16")
+    assert bot.model.dtype is torch.bfloat16 and bot.generate_kwargs["top_k"] == 1
+    greedy = Chatbot(tiny_folder, max_new_tokens=4, device="cpu", dtype="bf16")
+    assert bot.reply("Describe the lamp.") == greedy.reply("Describe the lamp.")  # top-1 sampling is greedy

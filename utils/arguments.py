@@ -137,13 +137,24 @@ def add_eval_args(group) -> None:
     group.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
 
 
-def add_sampling_args(group) -> None:
-    """Step 3's sampling flags (train.py reads them too, for the held-out check of sampled answers)."""
-    group.add_argument("--do_sample", action="store_true",
-                       help="Sample answers (exploration); default greedy, like DeepSpeed-Chat.")
+def add_sampling_args(group, do_sample_help: str = "Sample answers (exploration); default greedy, like "
+                                                   "DeepSpeed-Chat.") -> None:
+    """Sampling flags of step 3 and chat.py (train.py reads step 3's, for the held-out check of sampled answers)."""
+    group.add_argument("--do_sample", action="store_true", help=do_sample_help)
     group.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (with --do_sample).")
     group.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off; with --do_sample).")
     group.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
+
+
+def check_sampling_args(args) -> None:
+    """With ``--do_sample``: a finite temperature > 0, 0 < top-p ≤ 1, top-k ≥ 0 (0 = off)."""
+    import math
+
+    from utils.errors import UserInputError
+
+    if args.do_sample and not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1
+                               and args.top_k >= 0):
+        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0")
 
 
 def add_offload_reference_arg(group) -> None:
