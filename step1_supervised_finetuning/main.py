@@ -38,7 +38,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
+def evaluate_perplexity(model, dataloader, device):
     """(perplexity, loss) over the eval set, averaged across ranks."""
     from utils.rl_math import causal_lm_loss
     from utils.distributed import get_all_reduce_mean
@@ -50,7 +50,7 @@ def evaluate_perplexity(model, dataloader, device, fp32_loss: bool):
         for batch in dataloader:
             batch = to_device(batch, device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            total += causal_lm_loss(logits, batch["labels"], fp32_loss).float()
+            total += causal_lm_loss(logits, batch["labels"])
             batches += 1
     loss = get_all_reduce_mean(total / max(batches, 1)).item()
     model.train()
@@ -103,7 +103,7 @@ def main(args):
         first_ppl = ppl = resumed["first_ppl"]
         eval_loss = math.log(ppl)
     else:
-        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
+        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device)
         log.info(f"ppl before training: {ppl:.4f}, loss: {eval_loss:.4f}")
         log.scalars(0, "eval", perplexity=ppl, loss=eval_loss)
         first_ppl = ppl
@@ -118,7 +118,7 @@ def main(args):
             start = time.time()
             batch = to_device(batch, device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            loss = causal_lm_loss(logits, batch["labels"], args.compute_fp32_loss)
+            loss = causal_lm_loss(logits, batch["labels"])
             model.backward(loss)
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
@@ -138,7 +138,7 @@ def main(args):
                                          get_world_size(), args.gradient_checkpointing))
             ckpt.step_done(step, {"model": model},
                            lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_ppl": first_ppl})
-        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device, args.compute_fp32_loss)
+        ppl, eval_loss = evaluate_perplexity(model, eval_loader, device)
         log.info(f"ppl after epoch {epoch + 1}: {ppl:.4f}, loss: {eval_loss:.4f}")
         log.scalars(step, "eval", perplexity=ppl, loss=eval_loss)
         if finished():

@@ -34,8 +34,8 @@ from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.rl_math import dpo_loss, sequence_log_probs
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, frozen_ds_config, load_tokenizer,
-                            make_engine, make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, frozen_ds_config,
+                            load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -97,9 +97,7 @@ def evaluate_dpo(model, ref_model, dataloader, device, eval_iters: int, beta: fl
     # loss sum, batches, chosen sum, rejected sum, correct, pairs
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for i, batch in enumerate(dataloader):
-            if i == eval_iters:
-                break
+        for batch in eval_batches(dataloader, eval_iters):
             out = dpo_batch(model, ref_model, to_device(batch, device), beta, label_smoothing)
             c, r = out["chosen_rewards"].double(), out["rejected_rewards"].double()
             sums += torch.tensor([out["loss"].item(), 1.0, c.sum().item(), r.sum().item(), (c > r).sum().item(),

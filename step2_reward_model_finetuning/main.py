@@ -29,8 +29,8 @@ from utils.model.reward_model import count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
-                            make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, load_tokenizer,
+                            make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 
 def evaluate_reward(model, dataloader, device, eval_iters: int) -> dict:
-    """Chosen / rejected mean scores, accuracy (chosen > rejected) and loss over ≤ ``eval_iters`` batches.
+    """Chosen / rejected mean scores, accuracy (chosen > rejected) and loss over ≤ ``eval_iters`` batches (0 = all).
 
     Sums are all-reduced across ranks, so every rank returns the same numbers.
     """
@@ -52,9 +52,7 @@ def evaluate_reward(model, dataloader, device, eval_iters: int) -> dict:
     # correct, pairs, chosen sum, rejected sum, loss sum, batches
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     with torch.no_grad():
-        for i, batch in enumerate(dataloader):
-            if i == eval_iters:
-                break
+        for batch in eval_batches(dataloader, eval_iters):
             out = model(**to_device(batch, device), use_cache=False)
             chosen, rejected = out["chosen_mean_scores"].double(), out["rejected_mean_scores"].double()
             sums += torch.stack([(chosen > rejected).sum().double(), torch.tensor(float(len(chosen)), device=device,

@@ -45,7 +45,6 @@ class PPOConfig:
     generation_batches: int = 1
     unsup_coef: float = 27.8
     align_overflow: bool = False  # fp16 only (from_args turns it off, with a warning, for other dtypes)
-    compute_fp32_loss: bool = False
     ema_beta: float = 0.992  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
 
 
@@ -132,8 +131,7 @@ class Step3Config:
         ppo = PPOConfig(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
                         cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
                         ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
-                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16",
-                        compute_fp32_loss=args.compute_fp32_loss)
+                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
         generation = GenerationConfig(max_prompt_seq_len=args.max_prompt_seq_len,
                                       max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -86,8 +86,7 @@ def parse_args(argv=None):
     g.add_argument("--generation_batches", type=int, default=1,
                    help="Generation batches collected before each round of PPO training.")
     g.add_argument("--ppo_epochs", type=int, default=1, help="Passes of PPO training over each round's experience.")
-    add_run_args(g, unit="PPO steps", output="actor/, critic/ and actor_ema/ are",
-                 fp32_loss="the actor's losses")
+    add_run_args(g, unit="PPO steps", output="actor/, critic/ and actor_ema/ are")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient β.")
     g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward-model scores are clipped to ±this.")
     g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip ε of the actor loss.")

@@ -336,7 +336,7 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         ``ppo.unsup_coef``; returns the (unscaled) loss."""
         logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                   use_cache=False).logits
-        loss = causal_lm_loss(logits, inputs["labels"], self.ppo.compute_fp32_loss)
+        loss = causal_lm_loss(logits, inputs["labels"])
         self.actor_model.backward(self.ppo.unsup_coef * loss)
         self.actor_model.step()
         return loss.detach()

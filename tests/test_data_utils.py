@@ -253,3 +253,11 @@ def test_batches_are_rounded_to_128_on_a_gpu_and_8_on_a_cpu():
     assert du.DataCollatorSFT(0, 120, 128)(samples)["input_ids"].shape == (2, 120)  # never beyond max_seq_len
     pairs = [(torch.arange(1, 200), torch.arange(1, 50))]
     assert du.DataCollatorReward(0, 512, 128)(pairs)["input_ids"].shape == (2, 256)
+
+
+def test_one_dataset_is_shuffled_like_a_blend():
+    """Deliberate difference: DeepSpeed-Chat leaves a single dataset in split order; here one dataset and a
+    blend take the same seeded shuffle (so a partial evaluation, --eval_iters, sees another subset)."""
+    one = du._concat_shuffled([du.PromptDataset(list(range(10)), 2, {"skipped": {"empty": 1}})], 1234, 2)
+    assert sorted(one.samples) == list(range(10)) and one.samples != list(range(10))
+    assert one.samples == [7, 2, 9, 1, 0, 8, 4, 5, 6, 3] and one.stats == {"kept": 10, "skipped": {"empty": 1}}

@@ -126,3 +126,15 @@ def test_tiny_opt_groups_with_lora():
     convert_linear_layer_to_lora(model, "decoder.layers.", 8)  # base weights frozen, biases stay trainable
     decay, lora, no_decay = ds_utils.get_optimizer_grouped_parameters(model, 0.1, lora_lr=3e-4)
     assert (len(decay["params"]), len(lora["params"]), len(no_decay["params"])) == (2, 48, 42)
+
+
+def test_mixed_precision_lora_spans_hpz_over_one_node_only_on_several_nodes():
+    """As DeepSpeed-Chat: ZeRO++'s secondary partition (hpZ) is one node wide when the job spans several nodes."""
+    one_node = ds_utils.get_train_ds_config(False, "bf16", 3, enable_mixed_precision_lora=True, world_size=8,
+                                            devices_per_node=8)["zero_optimization"]
+    assert one_node["zero_quantized_nontrainable_weights"] and "zero_hpz_partition_size" not in one_node
+    two_nodes = ds_utils.get_train_ds_config(False, "bf16", 3, enable_mixed_precision_lora=True, world_size=16,
+                                             devices_per_node=8)["zero_optimization"]
+    assert two_nodes["zero_hpz_partition_size"] == 8
+    plain = ds_utils.get_train_ds_config(False, "bf16", 3, world_size=16, devices_per_node=8)["zero_optimization"]
+    assert "zero_hpz_partition_size" not in plain and "zero_quantized_nontrainable_weights" not in plain

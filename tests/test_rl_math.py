@@ -10,11 +10,13 @@ import math
 import pytest
 import torch
 from torch.testing import assert_close
+import torch.nn.functional as F
 
 from utils.rl_math import (
     actor_loss,
     answer_action_mask,
     approx_kl,
+    causal_lm_loss,
     count_real_answer_tokens,
     critic_loss,
     dpo_loss,
@@ -524,3 +526,35 @@ def test_dpo_loss_with_label_smoothing():
     # pair 0: 0.9 * log(1 + e^-1) + 0.1 * log(1 + e^1);  pair 1: 0.9 log 2 + 0.1 log 2 = log 2
     pair0 = 0.9 * math.log(1 + math.exp(-1)) + 0.1 * math.log(1 + math.exp(1))
     assert_close(loss, t((pair0 + LN2) / 2))
+
+
+def test_causal_lm_loss_by_hand_skips_minus_100_and_shifts_labels():
+    # V = 2; position t predicts labels[t + 1]; the last position predicts nothing
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [5.0, 5.0]]])
+    labels = torch.tensor([[-100, 1, 0]])
+    # -log softmax: position 0 -> label 1 with p = 1/2, position 1 -> label 0 with p = 3/4
+    assert causal_lm_loss(logits, labels).item() == pytest.approx((math.log(2.0) + math.log(4.0 / 3.0)) / 2)
+    assert causal_lm_loss(logits, torch.tensor([[-100, -100, 0]])).item() == pytest.approx(math.log(4.0 / 3.0))
+
+
+def test_causal_lm_loss_upcasts_bf16_logits_like_transformers():
+    """DeepSpeed-Chat's step 1 takes transformers 5's loss, which upcasts the logits: ours is fp32 too.
+
+    A loss computed in bf16 is rounded to a bf16 number (0.0625 apart near 10): here 0.05 off."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 16, 1000) * 3).bfloat16()
+    labels = torch.randint(0, 1000, (2, 16))
+    exact = F.cross_entropy(logits[:, :-1].float().reshape(-1, 1000), labels[:, 1:].reshape(-1))
+    loss = causal_lm_loss(logits, labels)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(exact.item(), abs=1e-5)
+    rounded = F.cross_entropy(logits[:, :-1].reshape(-1, 1000), labels[:, 1:].reshape(-1))  # the old bf16 result
+    assert rounded.dtype == torch.bfloat16 and abs(rounded.float().item() - exact.item()) > 1e-3
+
+
+def test_one_word_answer_counts_one_token_whatever_the_pad_id():
+    """Deliberate difference: DeepSpeed-Chat counts non-pad tokens, so with Llama (pad 0 ≠ EOS 2) it counts the
+    EOS and keeps a one-word answer (2 > 1); here the count stops before the EOS for every tokenizer (1: dropped),
+    as the reference's count comes out for OPT (pad = EOS)."""
+    llama_style = torch.tensor([[7, 2, 0, 0], [7, 8, 2, 0]])
+    assert count_real_answer_tokens(llama_style, eos_token_id=2).tolist() == [1, 2]
+    assert (llama_style != 0).sum(-1).tolist() == [2, 3]  # the reference's count

@@ -140,3 +140,31 @@ def test_some_bad_pairs_are_skipped_and_counted(tmp_path):
             n, reason = part.split(" × ")
             counts[reason] = counts.get(reason, 0) + int(n)
     assert counts == {"chosen and rejected tokenise identically": 10, "empty chosen or rejected answer": 10}
+
+
+class ScriptedRewardModel(torch.nn.Module):
+    """Stands in for a RewardModel: batch k scores chosen k and rejected 0 for its 2 pairs, loss k."""
+
+    def forward(self, k, use_cache=False):
+        k = k.double()
+        return {"chosen_mean_scores": k, "rejected_mean_scores": torch.zeros_like(k), "loss": k[0]}
+
+
+def test_eval_iters_0_evaluates_the_whole_split_as_the_reference():
+    from step2_reward_model_finetuning.main import evaluate_reward
+
+    loader = [{"k": torch.tensor([float(k), float(k)])} for k in range(3)]  # 3 batches of 2 pairs
+    whole = evaluate_reward(ScriptedRewardModel(), loader, torch.device("cpu"), eval_iters=0)
+    assert whole["chosen"] == pytest.approx(1.0) and whole["loss"] == pytest.approx(1.0)  # (0+1+2)/3
+    assert whole["acc"] == pytest.approx(4 / 6)  # batch 0's pairs tie (0 vs 0): not counted as right
+    first_two = evaluate_reward(ScriptedRewardModel(), loader, torch.device("cpu"), eval_iters=2)
+    assert first_two["chosen"] == pytest.approx(0.5) and first_two["loss"] == pytest.approx(0.5)
+
+
+def test_negative_eval_iters_is_refused():
+    from step2_reward_model_finetuning.main import parse_args
+    from utils.arguments import validate_common
+    from utils.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="--eval_iters must be ≥ 0"):
+        validate_common(parse_args(["--eval_iters", "-1"]))

@@ -77,8 +77,7 @@ def add_training_args(parser: argparse.ArgumentParser):
     return g
 
 
-def add_run_args(group, unit: str = "optimizer steps", output: str = "the model",
-                 fp32_loss: str = "the language-model loss") -> None:
+def add_run_args(group, unit: str = "optimizer steps", output: str = "the model") -> None:
     """The run's length, schedule, seed, output folder and loss precision: steps 1, 2 and DPO through
     :func:`add_training_args`; step 3 directly, counting in PPO steps."""
     group.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the training data.")
@@ -91,8 +90,8 @@ def add_run_args(group, unit: str = "optimizer steps", output: str = "the model"
     group.add_argument("--output_dir", type=str, default=None, help=f"Where {output} is saved.")
     group.add_argument("--seed", type=int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
     group.add_argument("--compute_fp32_loss", action="store_true",
-                       help=f"Compute {fp32_loss} in fp32 (relevant with bf16/fp16; a reward model's values and "
-                            "its losses are always fp32).")
+                       help="Accepted for DeepSpeed-Chat's scripts; no effect: every loss is computed in fp32 "
+                            "(logits are upcast, as in transformers 5's own loss, which DeepSpeed-Chat's steps use).")
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser):
@@ -134,7 +133,7 @@ def add_eval_args(group) -> None:
     group.add_argument("--eval_interval", type=int, default=0,
                        help="Evaluate every this many optimizer steps (0 = only before training and after each "
                             "epoch).")
-    group.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation.")
+    group.add_argument("--eval_iters", type=int, default=100, help="Maximum eval batches per evaluation (0 = the whole eval split).")
 
 
 def add_sampling_args(group, do_sample_help: str = "Sample answers (exploration); default greedy, like "
@@ -232,6 +231,8 @@ def check_number_flags(args) -> None:
             raise UserInputError(f"--{name} must be ≥ 0 (0 = no LoRA), got {value}")
         if name.endswith("weight_decay") and not (math.isfinite(value) and value >= 0):
             raise UserInputError(f"--{name} must be a finite number ≥ 0, got {value}")
+        if name == "eval_iters" and value < 0:
+            raise UserInputError(f"--eval_iters must be ≥ 0 (0 = the whole eval split), got {value}")
         if name.endswith("dropout") and not (0 <= value < 1):
             raise UserInputError(f"--{name} must be in [0, 1), got {value}")
 

@@ -22,7 +22,10 @@ def get_train_ds_config(offload: bool, dtype: str, stage: int = 2, enable_hybrid
                         inference_tp_size: int = 1, release_inference_cache: bool = False,
                         pin_parameters: bool = True, tp_gather_partition_size: int = 8,
                         max_out_tokens: int = 512, enable_tensorboard: bool = False,
-                        enable_mixed_precision_lora: bool = False, tb_path: str = "", tb_name: str = "") -> dict:
+                        enable_mixed_precision_lora: bool = False, tb_path: str = "", tb_name: str = "",
+                        world_size: int = 1, devices_per_node: int = 1) -> dict:
+    """``world_size`` / ``devices_per_node`` only matter with ``enable_mixed_precision_lora``: on several
+    nodes ZeRO++'s secondary weight partition (hpZ) spans one node, as in DeepSpeed-Chat."""
     device = "cpu" if offload else "none"
     zero_opt_dict = {
         "stage": stage,
@@ -36,7 +39,8 @@ def get_train_ds_config(offload: bool, dtype: str, stage: int = 2, enable_hybrid
     }
     if enable_mixed_precision_lora:
         zero_opt_dict["zero_quantized_nontrainable_weights"] = True
-        zero_opt_dict["zero_hpz_partition_size"] = 1
+        if world_size != devices_per_node:
+            zero_opt_dict["zero_hpz_partition_size"] = devices_per_node
     config = {
         "train_batch_size": GLOBAL_BATCH_SIZE,
         "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,

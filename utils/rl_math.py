@@ -502,14 +502,13 @@ def dpo_loss(
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-    """Next-token cross entropy, mean over label positions that are not -100.
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy in fp32, mean over label positions that are not -100.
 
-    logits [B, T, V], labels [B, T] (unshifted: position t predicts labels[t+1]).
-    ``fp32=True`` upcasts the logits first (``--compute_fp32_loss``).
+    logits [B, T, V] of any dtype, upcast first as transformers 5's own loss does (a bf16
+    loss is rounded to a bf16 number: ~0.4 % off); labels [B, T] (unshifted: position t
+    predicts labels[t+1]). Returns an fp32 scalar.
     """
-    logits = logits[:, :-1, :]
-    if fp32:
-        logits = logits.float()
+    logits = logits[:, :-1, :].float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                                              ignore_index=-100)

@@ -16,6 +16,7 @@ imported inside the functions, so importing this module stays light (torch only)
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -58,11 +59,14 @@ def train_ds_config(dtype: str, stage: int, offload: bool, micro_batch: int, gra
                     tensorboard_path: str | None = None, tb_name: str = "", **extra) -> dict:
     """A trained model's DeepSpeed config; ``tensorboard_path`` turns on DeepSpeed's own tensorboard logs,
     ``extra`` goes to :func:`utils.ds_utils.get_train_ds_config` (hybrid-engine fields)."""
+    from deepspeed.accelerator import get_accelerator
+
     from utils.ds_utils import get_train_ds_config, set_batch_sizes
 
     config = get_train_ds_config(offload=offload, dtype=dtype, stage=stage,
                                  enable_tensorboard=tensorboard_path is not None, tb_path=tensorboard_path or "",
-                                 tb_name=tb_name, **extra)
+                                 tb_name=tb_name, world_size=get_world_size(),
+                                 devices_per_node=get_accelerator().device_count(), **extra)
     return set_batch_sizes(config, micro_batch, get_world_size(), grad_accum)
 
 
@@ -100,6 +104,11 @@ def epoch_micro_batches(loader, epoch: int, skip: int, epochs: int, log, desc: s
     loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
     log.info(f"Beginning of Epoch {epoch + 1}/{epochs}, Total Micro Batches {len(loader)}")
     return enumerate(log.progress(loader, desc=desc), start=skip)
+
+
+def eval_batches(loader, eval_iters: int):
+    """The first ``eval_iters`` batches of ``loader``; all of them for 0 (``--eval_iters 0``, as DeepSpeed-Chat)."""
+    return itertools.islice(loader, eval_iters or None)
 
 
 def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: int = 0) -> int:

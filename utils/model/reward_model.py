@@ -11,12 +11,10 @@
   ``num_padding_at_beginning`` (0-based; OPT's leading BOS = pad is skipped with 1).
 * ``forward_value(input_ids, attention_mask, prompt_length=P)`` returns per-token
   ``values [B, T]`` and ``chosen_end_scores [B]`` (see :func:`end_score_index`): the
-  value at the **last token before the first pad-or-EOS token after the prompt**, or at
-  the last position when there is none (the answer hit the length limit). For OPT-style
-  tokenizers (pad = eos) this is exactly where ``forward`` reads a score; with a distinct
-  pad token (Llama) ``forward`` reads at the EOS itself (the reference's rule) while
-  ``forward_value`` reads at the token before it. Both positions lie inside the span the
-  pairwise loss trains, so both rank answers.
+  value at the **last token before the first pad token after the prompt**, or at the last
+  position when there is none (the answer hit the length limit). For OPT-style tokenizers
+  (pad = eos) that is the token before the EOS; with a distinct pad token (Llama) it is the
+  EOS itself. Either way it is where ``forward`` reads a score in step 2.
 
 Building, saving and loading (strictly) a step-2 folder: :mod:`utils.model.critic`.
 """
