@@ -151,7 +151,8 @@ class DeepSpeedPPOTrainer:
         self.generation = generation
         self.max_answer_seq_len = generation.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.eos_token_id = end_of_answer_token_id(self.tokenizer, generation.eot_token)
+        # the tokens that end an answer: the EOS, and --eot_token when --add_eot_token added it
+        self.end_token_ids = end_of_answer_token_ids(self.tokenizer, generation.eot_token)
         self.actor_zero_stage = self.actor_model.zero_optimization_stage()
         self.z3_enabled = self.actor_zero_stage == 3
         self.hybrid_engine = getattr(rlhf_engine, "hybrid_engine_active", False)
@@ -181,7 +182,7 @@ class DeepSpeedPPOTrainer:
         if backend == "hf":
             return None
         return StaticGenerator(self.actor_model.module, self.generation.max_prompt_seq_len, self.max_answer_seq_len,
-                               self.eos_token_id, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
+                               self.end_token_ids, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -193,7 +194,7 @@ class DeepSpeedPPOTrainer:
                                               top_k=gen.top_k, top_p=gen.top_p)
             else:
                 kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
-                              pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                              pad_token_id=self.pad_token_id, eos_token_id=list(self.end_token_ids),
                               synced_gpus=self.z3_enabled, use_cache=True, do_sample=gen.do_sample)
                 if gen.do_sample:
                     kwargs.update(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
@@ -227,7 +228,7 @@ class DeepSpeedPPOTrainer:
         P = prompts.shape[1]
         answers = seq[:, P:]
         self._print_answers(prompts, answers, step)
-        answer_len = count_real_answer_tokens(answers, self.eos_token_id)
+        answer_len = count_real_answer_tokens(answers, self.end_token_ids)
         valid = (answer_len > 1).long()
         counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
         kept, dropped = (int(round(c)) for c in counts.tolist())
@@ -236,8 +237,8 @@ class DeepSpeedPPOTrainer:
             self.experience_time = time.time() - start
             return None
 
-        attention_mask = torch.cat([mask.long(), answer_action_mask(answers, self.eos_token_id)], dim=1)
-        action_mask = sequence_action_mask(seq, P, self.eos_token_id) * valid[:, None]
+        attention_mask = torch.cat([mask.long(), answer_action_mask(answers, self.end_token_ids)], dim=1)
+        action_mask = sequence_action_mask(seq, P, self.end_token_ids) * valid[:, None]
         with torch.no_grad(), deterministic(self.actor_model.module, self.critic_model.module):
             logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
             ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
@@ -344,11 +345,16 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
 
 # ---------------------------------------------------------------------- helpers
 
-def end_of_answer_token_id(tokenizer, eot_token: str | None = None) -> int:
-    """The token that ends an answer: ``eot_token`` (``--eot_token`` when ``--add_eot_token`` added it as a
-    special token) if the tokenizer knows it, else EOS."""
+def end_of_answer_token_ids(tokenizer, eot_token: str | None = None) -> tuple:
+    """The tokens that end an answer: EOS, and ``eot_token`` (``--eot_token`` when ``--add_eot_token`` added it
+    as a special token) if the tokenizer knows it.
+
+    Both: a model trained to end answers with the EOT token may still emit its EOS first, and the answer
+    (its masks, and the token the reward model scores) must end there, where generation stops.
+    """
+    eos = int(tokenizer.eos_token_id)
     if eot_token is not None:
         ids = tokenizer.convert_tokens_to_ids([eot_token])
-        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id:
-            return int(ids[0])
-    return int(tokenizer.eos_token_id)
+        if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id and int(ids[0]) != eos:
+            return (int(ids[0]), eos)
+    return (eos,)

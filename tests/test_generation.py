@@ -65,6 +65,20 @@ def test_greedy_is_token_identical_to_generate_with_eos_mid_batch(name, lora):
     assert (out[0, P + first + 1:] == pad).all()
 
 
+def test_several_end_tokens_stop_a_row_at_the_first_of_them_as_generate_does():
+    """--add_eot_token: an answer ends at the EOT or at the EOS, whichever the model emits first."""
+    model, tok = _model("tiny-llama")
+    pad = tok.pad_token_id
+    ids, mask = _prompts(pad)
+    free = _hf(model, ids, mask, eos=None, pad=pad)
+    ends = [int(free[0, P + 3]), int(free[1, P + 2])]  # row 0's 4th and row 1's 3rd answer tokens end answers
+    reference = _hf(model, ids, mask, eos=ends, pad=pad)
+    out = StaticGenerator(model, P, A, tuple(ends), pad, use_cuda_graph=False).generate(ids, mask)
+    assert torch.equal(_padded(out, pad), _padded(reference, pad))
+    ended = torch.isin(out[:, P:], torch.tensor(ends)).any(dim=1)
+    assert ended[0] and ended[1]
+
+
 def test_stops_early_when_every_row_ended_and_reuses_its_buffers():
     model, tok = _model("tiny-opt")
     pad = tok.pad_token_id

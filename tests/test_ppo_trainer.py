@@ -16,7 +16,7 @@ from torch.testing import assert_close
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
 from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, MiniDataset,
-                                               end_of_answer_token_id, pad_to_length)
+                                               end_of_answer_token_ids, pad_to_length)
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
 from utils.perf import step3_throughput, throughput_lines, transformer_flops
@@ -133,7 +133,7 @@ def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
     assert engine.reward.module.seen_prompt_length == 3
     assert exp["rewards"].tolist() == [1.0, 2.0, 3.0]
     kw = engine.actor.module.generate_kwargs
-    assert kw["max_new_tokens"] == 4 and kw["pad_token_id"] == PAD and kw["eos_token_id"] == EOS
+    assert kw["max_new_tokens"] == 4 and kw["pad_token_id"] == PAD and kw["eos_token_id"] == [EOS]
     assert kw["use_cache"] is True and kw["do_sample"] is False and kw["synced_gpus"] is False
     # ... but log π_old was computed without dropout (the model's deterministic eval-mode output)
     engine.actor.module.eval()
@@ -258,8 +258,10 @@ def test_mini_dataset_collects_then_cuts_micro_batches():
 def test_pad_to_length_and_end_token():
     assert pad_to_length(torch.tensor([[1, 2]]), 4, 0).tolist() == [[1, 2, 0, 0]]
     tok = SimpleNamespace(eos_token_id=2, unk_token_id=9, convert_tokens_to_ids=lambda t: [7])
-    assert end_of_answer_token_id(tok) == 2
-    assert end_of_answer_token_id(tok, "<eot>") == 7
+    assert end_of_answer_token_ids(tok) == (2,)
+    assert end_of_answer_token_ids(tok, "<eot>") == (7, 2)  # the EOT ends an answer, and so does the EOS
+    unknown = SimpleNamespace(eos_token_id=2, unk_token_id=9, convert_tokens_to_ids=lambda t: [9])
+    assert end_of_answer_token_ids(unknown, "<eot>") == (2,)
 
 
 def test_throughput_counts_unsupervised_rows_instead_of_a_batch_of_two():

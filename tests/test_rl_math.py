@@ -558,3 +558,14 @@ def test_one_word_answer_counts_one_token_whatever_the_pad_id():
     llama_style = torch.tensor([[7, 2, 0, 0], [7, 8, 2, 0]])
     assert count_real_answer_tokens(llama_style, eos_token_id=2).tolist() == [1, 2]
     assert (llama_style != 0).sum(-1).tolist() == [2, 3]  # the reference's count
+
+
+def test_answers_end_at_the_first_of_several_end_tokens():
+    """With --add_eot_token an answer ends at the EOT (9) or at the model's own EOS (2), whichever comes first:
+    masks and counts stop there, where generation stopped and where the reward model reads its score."""
+    answers = torch.tensor([[3, 2, 8, 9], [3, 4, 9, 0], [3, 4, 5, 6]])
+    assert answer_action_mask(answers, (9, 2)).tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert count_real_answer_tokens(answers, (9, 2)).tolist() == [1, 2, 4]
+    assert answer_action_mask(answers, 9).tolist()[0] == [1, 1, 1, 1]  # the EOT alone missed row 0's EOS
+    seq = torch.cat([torch.tensor([[5, 6]] * 3), answers], dim=1)
+    assert sequence_action_mask(seq, 2, (9, 2)).tolist()[0] == [0, 1, 1, 0, 0]

@@ -101,18 +101,21 @@ class StaticGenerator:
         model: a Hugging Face causal LM (OPT, Llama), in eval mode while generating.
         max_prompt_len: the longest prompt ``P`` (step 3: ``--max_prompt_seq_len``).
         max_new_tokens: answer tokens ``A`` (step 3: ``--max_answer_seq_len``).
-        eos_token_id, pad_token_id: a row ends at ``eos_token_id``; later tokens are ``pad_token_id``.
+        eos_token_id, pad_token_id: a row ends at ``eos_token_id`` (an id, or several: any of them);
+            later tokens are ``pad_token_id``.
         use_cuda_graph: capture the decode step (CUDA only); else run it eagerly.
         check_every: tokens between "has every row ended?" checks (each is a host sync).
         log: callable for the one-off capture message (default: silent).
     """
 
-    def __init__(self, model, max_prompt_len: int, max_new_tokens: int, eos_token_id: int, pad_token_id: int,
+    def __init__(self, model, max_prompt_len: int, max_new_tokens: int, eos_token_id, pad_token_id: int,
                  use_cuda_graph: bool = True, check_every: int = 8, log=None):
         self.model = model
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.total = max_prompt_len + max_new_tokens
-        self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        ends = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.end_ids = torch.tensor([int(e) for e in ends])
+        self.pad_token_id = int(pad_token_id)
         self.use_cuda_graph = use_cuda_graph
         self.check_every = max(1, check_every)
         self.log = log or (lambda msg: None)
@@ -250,6 +253,7 @@ class StaticGenerator:
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         answers = torch.full((B, A), self.pad_token_id, dtype=torch.long, device=input_ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
+        end_ids = self.end_ids.to(input_ids.device)
         token = pick(out.logits[:, -1, :])
         del out
         if token.is_cuda:
@@ -262,7 +266,7 @@ class StaticGenerator:
         for t in range(A):
             token = torch.where(unfinished, token, self.pad_token_id)
             answers[:, t] = token
-            unfinished &= token != self.eos_token_id
+            unfinished &= ~torch.isin(token, end_ids)
             if t == A - 1:
                 break
             if (t + 1) % self.check_every == 0 and not bool(unfinished.any()):

@@ -137,7 +137,17 @@ def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, loss_mask: to
 # --------------------------------------------------------------------------- action masks
 
 
-def answer_action_mask(answer_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+EndIds = Union[int, Sequence[int]]  # the token (or tokens: any of them) that ends an answer
+
+
+def _is_end(ids: torch.Tensor, end_ids: EndIds) -> torch.Tensor:
+    """``ids == end`` for one end id, ``ids ∈ end_ids`` for several; same shape as ``ids``."""
+    if isinstance(end_ids, int):
+        return ids == end_ids
+    return torch.isin(ids, torch.as_tensor(list(end_ids), device=ids.device))
+
+
+def answer_action_mask(answer_ids: torch.Tensor, eos_token_id: EndIds) -> torch.Tensor:
     """Mask of the real generated tokens: everything up to and including the first EOS.
 
     Tokens after the first EOS are padding (whatever their id, so ``pad == eos`` and
@@ -145,31 +155,31 @@ def answer_action_mask(answer_ids: torch.Tensor, eos_token_id: int) -> torch.Ten
 
     Args:
         answer_ids: ``[B, A]`` generated tokens after the prompt.
-        eos_token_id: the end-of-sequence id.
+        eos_token_id: the end-of-sequence id, or several ids (the first of any ends the answer).
 
     Returns:
         ``[B, A]`` long mask.
     """
-    is_eos = (answer_ids == eos_token_id).long()
+    is_eos = _is_end(answer_ids, eos_token_id).long()
     eos_strictly_before = torch.cumsum(is_eos, dim=1) - is_eos
     return (eos_strictly_before == 0).long()
 
 
-def count_real_answer_tokens(answer_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+def count_real_answer_tokens(answer_ids: torch.Tensor, eos_token_id: EndIds) -> torch.Tensor:
     """Number of tokens strictly before the first EOS (0 means an empty answer).
 
     Args:
         answer_ids: ``[B, A]`` generated tokens after the prompt.
-        eos_token_id: the end-of-sequence id.
+        eos_token_id: the end-of-sequence id, or several ids (the first of any ends the answer).
 
     Returns:
         ``[B]`` long counts.
     """
-    no_eos_yet = torch.cumsum((answer_ids == eos_token_id).long(), dim=1) == 0
+    no_eos_yet = torch.cumsum(_is_end(answer_ids, eos_token_id).long(), dim=1) == 0
     return no_eos_yet.long().sum(dim=1)
 
 
-def sequence_action_mask(seq: torch.Tensor, prompt_length: int, eos_token_id: int) -> torch.Tensor:
+def sequence_action_mask(seq: torch.Tensor, prompt_length: int, eos_token_id: EndIds) -> torch.Tensor:
     """Action mask of prompt+answer sequences: 1 for the answer's actions (EOS included).
 
     Action ``t`` emits token ``t+1``. Prompt tokens are not actions, so ``t < P-1`` is 0;
@@ -179,7 +189,7 @@ def sequence_action_mask(seq: torch.Tensor, prompt_length: int, eos_token_id: in
     Args:
         seq: ``[B, T]`` left-padded prompt of length ``P = prompt_length`` followed by the answer.
         prompt_length: ``P``.
-        eos_token_id: EOS id.
+        eos_token_id: EOS id, or several ids.
 
     Returns:
         ``[B, T-1]`` long mask.
