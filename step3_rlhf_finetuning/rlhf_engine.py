@@ -42,14 +42,32 @@ def _log_init(name: str, start: float | None = None) -> float:
     return time.time()
 
 
+CACHE_API_PARAMETERS = ("past_key_values", "cache_position", "cache")  # "cache" from transformers 5.24
+
+
+def takes_cache_api(layer_class) -> bool:
+    """Does ``layer_class.forward`` take transformers' ``Cache`` objects rather than the legacy tuple KV cache?
+
+    A parameter named after the Cache API says so; so does being a layer of transformers 5 or later, which
+    removed the tuple cache from every model it ships (the parameter names change between releases).
+    """
+    params = inspect.signature(layer_class.forward).parameters
+    if any(name in params for name in CACHE_API_PARAMETERS):
+        return True
+    import transformers
+
+    ships_with_transformers = layer_class.__module__.split(".")[0] == "transformers"
+    return ships_with_transformers and int(transformers.__version__.split(".")[0]) >= 5
+
+
 def hybrid_engine_support(model) -> tuple[bool, str]:
     """``(usable, reason)``: can DeepSpeed's hybrid engine accelerate ``model``'s generation?
 
     The hybrid engine swaps each decoder layer whose class one of DeepSpeed's
     ``replace_policies`` names for a fused inference kernel. Those kernels implement
     the legacy tuple KV cache: a layer whose ``forward`` takes transformers' ``Cache``
-    API (``past_key_values`` / ``cache_position`` — every OPT and Llama layer under
-    transformers 5) cannot be swapped. DeepSpeed 0.19 skips OPT for that reason and
+    API (:func:`takes_cache_api`: every OPT and Llama layer under transformers 5) cannot
+    be swapped. DeepSpeed 0.19 skips OPT for that reason and
     then crashes in ``generate`` (no ``_generate``); for Llama it would inject kernels
     fed the wrong cache. Usable only when a policy matches a layer of the legacy kind.
     """
@@ -63,8 +81,7 @@ def hybrid_engine_support(model) -> tuple[bool, str]:
         for cls in classes if isinstance(classes, list) else [classes]:
             if cls is None or cls not in present:
                 continue
-            params = inspect.signature(cls.forward).parameters
-            if "past_key_values" in params or "cache_position" in params:
+            if takes_cache_api(cls):
                 return False, (f"DeepSpeed {deepspeed.__version__}'s {policy.__name__} kernels use the legacy tuple "
                                f"KV cache but {cls.__name__} takes transformers' Cache API")
             return True, f"DeepSpeed inference policy {policy.__name__} for {cls.__name__}"

@@ -4,6 +4,8 @@ Token-identity with ``model.generate`` on CPU (fp32): left-padded prompts of dif
 lengths, EOS in the middle of a batch, LoRA on and off, early stop, batches smaller than
 the allocated one; seeded sampling; the exact LoRA restore; the backend choice.
 """
+import inspect
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -150,6 +152,43 @@ def test_hybrid_engine_has_no_policy_for_transformers_5_layers():
     for name, layer in (("tiny-opt", "OPTDecoderLayer"), ("tiny-llama", "LlamaDecoderLayer")):
         usable, why = hybrid_engine_support(_model(name)[0])
         assert not usable and layer in why and "legacy tuple KV cache" in why
+
+
+def test_cache_api_is_recognised_under_each_transformers_naming():
+    # transformers 5.24 renamed the layers' ``past_key_values`` to ``cache`` (the decision crashed-open:
+    # "usable" for OPT and Llama); a transformers 5 layer takes the Cache API whatever its parameters' names
+    from step3_rlhf_finetuning.rlhf_engine import takes_cache_api
+
+    def layer(module, *params):
+        """A layer class defined in ``module`` whose forward takes ``hidden_states`` and ``params``."""
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
+        forward.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ("self", "hidden_states", *params)])
+        return type("Layer", (torch.nn.Module,), {"__module__": module, "forward": forward})
+
+    for names in (["past_key_values"], ["cache_position"], ["cache"]):
+        assert takes_cache_api(layer("my_models", *names))
+    assert not takes_cache_api(layer("my_models", "layer_past", "use_cache"))  # the legacy tuple cache
+    assert takes_cache_api(layer("transformers.models.x.modeling_x", "kv_state"))  # any transformers >= 5 layer
+    assert not takes_cache_api(layer("transformers_like", "layer_past"))
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    from utils.model.model_utils import cache_kwarg
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_kwarg(New()) == "cache" and cache_kwarg(Old()) == "past_key_values"
+    model = _model("tiny-opt")[0]
+    assert cache_kwarg(model) in inspect.signature(model.forward).parameters  # not a deprecated alias
 
 
 def test_hybrid_engine_is_used_where_a_legacy_layer_has_a_policy(monkeypatch):

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from utils.model.model_utils import cache_kwarg
+
 BACKENDS = ("auto", "cuda-graph", "static", "hf")
 # architectures whose StaticCache decoding is checked token for token against model.generate (tests)
 SUPPORTED_MODEL_TYPES = ("opt", "llama")
@@ -111,6 +113,7 @@ class StaticGenerator:
     def __init__(self, model, max_prompt_len: int, max_new_tokens: int, eos_token_id, pad_token_id: int,
                  use_cuda_graph: bool = True, check_every: int = 8, log=None):
         self.model = model
+        self.cache_kwarg = cache_kwarg(model)
         self.max_prompt_len, self.max_new_tokens = max_prompt_len, max_new_tokens
         self.total = max_prompt_len + max_new_tokens
         ends = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -154,7 +157,7 @@ class StaticGenerator:
 
     def _decode_forward(self) -> torch.Tensor:
         out = self.model(input_ids=self.tok, attention_mask=self.mask, position_ids=self.pos,
-                         past_key_values=self.cache, use_cache=True)
+                         **{self.cache_kwarg: self.cache}, use_cache=True)
         return out.logits[:, -1, :]
 
     def _params_moved(self) -> bool:
@@ -250,7 +253,7 @@ class StaticGenerator:
         self._reset_cache()
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         **{self.cache_kwarg: self.cache}, use_cache=True, logits_to_keep=1)
         answers = torch.full((B, A), self.pad_token_id, dtype=torch.long, device=input_ids.device)
         unfinished = torch.ones(B, dtype=torch.bool, device=input_ids.device)
         end_ids = self.end_ids.to(input_ids.device)

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -25,6 +26,13 @@ from utils.distributed import is_rank_0
 from utils.files import atomic_directory
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen", "gemma")
+
+
+def cache_kwarg(model) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24 on
+    (``past_key_values`` is then a deprecated alias, warned about and removed in 5.40),
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def resolve_model_name_or_path(name_or_path: str) -> str:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from utils.model.model_utils import cache_kwarg
 from utils.rl_math import pairwise_reward_loss
 
 
@@ -121,7 +122,7 @@ class RewardModel(nn.Module):
                 inputs_embeds=None, use_cache=False) -> torch.Tensor:
         """``[B, T]`` per-token values ``v_head(h_t)``, fp32 (see :class:`ValueHead`)."""
         kwargs = dict(attention_mask=attention_mask, use_cache=use_cache)
-        for name, value in (("past_key_values", past_key_values), ("position_ids", position_ids),
+        for name, value in ((cache_kwarg(self.rwtransformer), past_key_values), ("position_ids", position_ids),
                             ("head_mask", head_mask), ("inputs_embeds", inputs_embeds)):
             if value is not None:
                 kwargs[name] = value
