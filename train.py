@@ -68,7 +68,8 @@ DEMO_ARGS = {
        "--max_seq_len 64 --learning_rate 1e-3 --dropout 0.0 --num_train_epochs 4 --eval_interval 100",
     # sampled answers (greedy PPO only sees the answers it already gives) among the 5 likeliest tokens (with
     # the whole vocabulary most samples carry a bad word; PPO then mostly learns to avoid those, and its
-    # greedy answers repeat a good one: rule score 0.887 -> 0.775, where top-k 5 gives 0.887 -> 0.938),
+    # greedy answers repeat a good one: rule score 0.887 -> 0.775, where top-k 5 gave 0.887 -> 0.938 on one
+    # machine; on another the reward model's weak spot, repeats, still wins: README, "the demo"),
     # actor lr 1e-4 and rewards clipped at ±10 (the reward model's scores reach ~15)
     3: "--data_path builtin/preference --max_prompt_seq_len 32 "
        "--max_answer_seq_len 24 --do_sample --top_k 5 --max_steps 80 --per_device_generation_batch_size 16 "

@@ -77,7 +77,9 @@ def test_shp(tmp_path):
     assert strings(ds, b)[1:3] == (" Pineapple", " Margherita")
 
 
-def test_pvduy(tmp_path):
+def test_pvduy_role_tags_with_colon_only_and_a_leading_space(tmp_path):
+    # deliberate difference: the reference replaces every "USER" ("USERname" -> "Humanname") and adds no
+    # leading space, so its prompts do not start like every other adapter's " Human: ..."
     row = {"prompt": "USER: Hi ASSISTANT: Hello! USER: Name a USERname. ASSISTANT:", "label": "bob42"}
     ds = make(hub.PvduySharegptalpacaoavicunaformatDataset, tmp_path, [row], [row])
     p = " Human: Hi Assistant: Hello! Human: Name a USERname. Assistant:"
