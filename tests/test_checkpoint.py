@@ -130,7 +130,8 @@ def test_save_rotates_and_load_restores_engines_state_and_rngs(tmp_path):
         m.save(step, {"actor": engine}, {"epoch": 0, "batches_in_epoch": step})
     names = sorted(os.listdir(m.root))
     assert names == ["latest", "step-00000004", "step-00000006"]  # keep the last 2, no temporary left
-    assert open(os.path.join(m.root, "latest")).read().strip() == "step-00000006"
+    with open(os.path.join(m.root, "latest")) as f:
+        assert f.read().strip() == "step-00000006"
     expected = float(torch.rand(()))
     torch.manual_seed(0)
     fresh = FakeEngine(-1.0)
@@ -147,9 +148,11 @@ def test_corrupt_latest_falls_back_with_a_message_and_is_moved_aside(tmp_path):
     for step in (3, 6):
         m.save(step, {"actor": FakeEngine(float(step))}, {})
     target = os.path.join(m.root, "step-00000006", "actor", "state", "mp_rank_00_model_states.pt")
-    blob = bytearray(open(target, "rb").read())
+    with open(target, "rb") as f:
+        blob = bytearray(f.read())
     blob[len(blob) // 2] ^= 0xFF
-    open(target, "wb").write(bytes(blob))
+    with open(target, "wb") as f:
+        f.write(bytes(blob))
     engine = FakeEngine(0.0)
     state = m.load({"actor": engine})
     assert state["step"] == 3 and engine.w.item() == 3.0

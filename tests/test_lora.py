@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from utils.errors import UserInputError
+from utils.model.model_utils import enable_activation_checkpointing
 from utils.lora import (LinearLayer_LoRA, convert_linear_layer_to_lora, convert_lora_to_linear_layer,
                                make_model_gradient_checkpointing_compatible, only_optimize_lora_parameters,
                                unfuse_lora_weight)
@@ -143,12 +144,29 @@ def test_lora_only_training_with_gradient_checkpointing_reaches_the_factors(mode
     convert_linear_layer_to_lora(model, "decoder.layers.", lora_dim=4)
     only_optimize_lora_parameters(model)
     make_model_gradient_checkpointing_compatible(model)
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     model.train()
     model(input_ids=x, labels=x).loss.backward()
     grads = [layer.lora_left_weight.grad for layer in lora_layers(model)]
     assert all(g is not None for g in grads) and all(g.abs().sum() > 0 for g in grads)
     assert model.model.decoder.layers[0].fc1.weight.grad is None  # frozen base weight
+
+
+def test_activation_checkpointing_uses_the_non_deprecated_entry_point(model):
+    # transformers 5.24 deprecates gradient_checkpointing_enable (removed in v6); steps 1-3 call the helper
+    import warnings
+
+    from utils.model.reward_model import RewardModel
+
+    reward = RewardModel(copy.deepcopy(model).model, type("Tok", (), {"pad_token_id": 1, "eos_token_id": 2})(), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        enable_activation_checkpointing(model)
+        reward.gradient_checkpointing_enable()
+    def on(m):  # transformers 5.24 renamed the flag too
+        return m.is_activation_checkpointing if hasattr(type(m), "is_activation_checkpointing") else m.is_gradient_checkpointing
+
+    assert on(model) and on(reward.rwtransformer)
 
 
 def test_unmatched_module_name_is_a_user_error(model):

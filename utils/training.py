@@ -147,6 +147,7 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
     from transformers import get_scheduler
 
     from utils.ds_utils import create_optimizer
+    from utils.model.model_utils import enable_activation_checkpointing
 
     optimizer = lr_scheduler = None
     if optim is not None:
@@ -159,5 +160,5 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
     if optim is None:
         engine.eval()
     if gradient_checkpointing:
-        engine.module.gradient_checkpointing_enable()
+        enable_activation_checkpointing(engine.module)
     return engine

@@ -35,6 +35,14 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def enable_activation_checkpointing(model, **kwargs) -> None:
+    """Turn on activation (gradient) checkpointing: ``activation_checkpointing_enable`` where transformers has
+    it (``gradient_checkpointing_enable`` is deprecated there, to be removed in v6), the old name elsewhere
+    (older transformers, and :class:`~utils.model.reward_model.RewardModel`, which forwards to its backbone)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(**kwargs)
+
+
 def resolve_model_name_or_path(name_or_path: str) -> str:
     """Built-in names -> their folder; a path-looking name that does not exist -> clear error."""
     path = resolve_model_path(name_or_path)

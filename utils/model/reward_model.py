@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.model.model_utils import cache_kwarg
+from utils.model.model_utils import cache_kwarg, enable_activation_checkpointing
 from utils.rl_math import pairwise_reward_loss
 
 
@@ -111,8 +111,7 @@ class RewardModel(nn.Module):
 
     # gradient checkpointing is the backbone's (transformers ≥ 5 calls it "activation checkpointing")
     def gradient_checkpointing_enable(self, **kwargs):
-        backbone = self.rwtransformer
-        getattr(backbone, "activation_checkpointing_enable", backbone.gradient_checkpointing_enable)(**kwargs)
+        enable_activation_checkpointing(self.rwtransformer, **kwargs)
 
     def gradient_checkpointing_disable(self):
         backbone = self.rwtransformer
