@@ -2,7 +2,8 @@
 import re
 from collections import Counter
 
-from utils.data.builtin import GOOD, HACK_SHARES, REJECTED_KINDS, generate, load_builtin, quality
+from utils.data.builtin import (GOOD, HACK_SHARES, REJECTED_KINDS, SCALE_CLASSES, generate, load_builtin, quality,
+                                scale_answer)
 from utils.data.rule_score import rule_checks
 
 
@@ -72,3 +73,17 @@ def test_each_kind_is_what_its_label_says_and_rejected():
             assert 1 <= len(adjectives) < 3 and rejected.count(".") == 1 and all(w in GOOD for w in adjectives)
         else:
             assert kind == "fewer_good" and not _is_broken(rejected) and noun in rejected.split()
+
+
+def test_scale_answers_have_the_quality_their_class_says():
+    # the held-out check of the reward model's common scale ranks these classes by quality(), best first
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        by_class = {cls: scale_answer(rng, "lamp", cls) for cls in SCALE_CLASSES}
+        assert [quality(by_class[c], "lamp") for c in SCALE_CLASSES[:3]] == [3, 2, 1]
+        repeat = _adjectives(by_class["repeat"])
+        assert quality(by_class["repeat"], "lamp") < 0 and len(repeat) == 3 and len(set(repeat)) == 2
+        assert all(w in GOOD for w in repeat) and not rule_checks(by_class["repeat"], "lamp")["no_repeat"]
+        assert all(rule_checks(by_class[c], "lamp")["well_formed"] for c in SCALE_CLASSES)

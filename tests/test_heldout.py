@@ -34,3 +34,18 @@ def test_report_has_sampled_scores_only_when_step3_sampled(monkeypatch):
     assert "sampled" not in heldout.actor_report(model, PROMPTS[:2])
     report = heldout.actor_report(model, PROMPTS[:2], {"temperature": 1.0, "top_k": 5, "top_p": 1.0})
     assert report["n"] == 2 and report["sampled"]["n"] == 4 and 0 <= report["sampled"]["rule_score"] <= 1
+
+
+def test_scale_answers_and_ranked_shares_by_hand():
+    rows = heldout.scale_answers(PROMPTS[:2], per_class=2)
+    assert len(rows) == 2 * 4 * 2 and [r[1] for r in rows[:8]] == [c for c in heldout.SCALE_CLASSES for _ in "ab"]
+    assert all(" lamp " in r[2] for r in rows[:8]) and all(" river " in r[2] for r in rows[8:])
+    assert rows == heldout.scale_answers(PROMPTS[:2], per_class=2)  # seeded
+    # per prompt: three_good, three_good, two_good, two_good, one_good, one_good, repeat, repeat
+    # lamp: 3>2 (5>4, 5>1, 3>4 no, 3>1) 3 of 4; 2>1 (4>2, 4>0, 1>2 no, 1>0) 3; 3>rep (5>2, 5>6 no, 3>2,
+    # 3>6 no) 2; 1>rep (2=2 a tie: half, then 2>6, 0>2, 0>6 no) 0.5. river: ordered, but one_good and repeat all tie
+    scores = [5, 3, 4, 1, 2, 0, 2, 6,
+              9, 9, 8, 8, 7, 7, 7, 7]
+    shares = heldout.ranked_shares(rows, scores)
+    assert shares == {"three_good>two_good": (3 + 4) / 8, "two_good>one_good": (3 + 4) / 8,
+                      "three_good>repeat": (2 + 4) / 8, "one_good>repeat": (0.5 + 2) / 8}

@@ -162,6 +162,8 @@ def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
     assert set(heldout["actors"]) == {"1"} and heldout["actors"]["1"]["n"] == 40
     assert 0 <= heldout["actors"]["1"]["rule_score"] <= 1 and len(heldout["actors"]["1"]["samples"]) == 3
     assert heldout["reward_model"]["pairs"] == 80 and "repeated_word" in heldout["reward_model"]["accuracy"]
+    scale = heldout["reward_model"]["scale"]
+    assert scale["prompts"] == 40 and len(scale["ranked"]) == 4 and all(0 <= v <= 1 for v in scale["ranked"].values())
     assert "held-out check without the reward model" in res.stdout
 
 
@@ -244,7 +246,9 @@ HELDOUT = {"prompts": 40, "max_new_tokens": 32,
                             "checks": {"names_object": 1.0, "only_good": 1.0, "no_repeat": 1.0, "well_formed": 1.0},
                             "samples": [{"prompt": "Human: Describe the lamp. Assistant:",
                                          "answer": "The lamp is bright and kind and calm."}]}},
-           "reward_model": {"pairs": 400, "accuracy": {"overall": 0.95, "fewer_good": 0.98, "repeated_word": 0.9}}}
+           "reward_model": {"pairs": 400, "accuracy": {"overall": 0.95, "fewer_good": 0.98, "repeated_word": 0.9},
+                            "scale": {"prompts": 40, "per_class": 8,
+                                      "ranked": {"three_good>repeat": 0.75, "one_good>repeat": 0.125}}}}
 
 
 def test_summary_shows_the_held_out_check(tmp_path):
@@ -258,6 +262,8 @@ def test_summary_shows_the_held_out_check(tmp_path):
     assert "sampled" not in text  # step 3 ran greedy: no sampled rows
     assert "3 PPO actor, greedy: Human: Describe the lamp. Assistant: The lamp is bright and kind and calm." in text
     assert "accuracy 0.950 (per rejected kind: fewer_good 0.980, repeated_word 0.900)" in text
+    assert ("reward model on answers drawn independently for the same prompt (8 per kind and prompt), share ranked "
+            "as the rules rank them: three good > repeat 0.750, one good > repeat 0.125") in text
     assert (tmp_path / "out" / "training_curves.png").stat().st_size > 10_000
     assert "held-out" not in summary.write_summary(str(tmp_path / "out2"), folders, {})  # no check, no block
 

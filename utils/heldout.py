@@ -10,8 +10,10 @@ PPO improves the distribution it samples from, and the greedy answer (that distr
 most likely token at each position) can move differently, e.g. repeat a word where most of
 the samples do not. It also scores every held-out pair with the step-2
 reward model to give its accuracy per rejected kind (``fewer_good``,
-``wrong_object``, ``repeated_word``, …: :mod:`utils.data.builtin`). A few dozen
-short answers on a tiny model: a few seconds on a CPU.
+``wrong_object``, ``repeated_word``, …: :mod:`utils.data.builtin`), and answers of known rank
+drawn independently for the same prompts (three, two or one good word, or a repeat) to show
+whether it puts different answers on one scale, which is what PPO relies on. A few hundred
+short texts on a tiny model: seconds on a CPU.
 
 The result (a dict, stored in ``summary.json`` under ``"heldout"``)::
 
@@ -20,21 +22,27 @@ The result (a dict, stored in ``summary.json`` under ``"heldout"``)::
      "actors": {"1": {"dir", "rule_score", "checks": {...}, "all_four", "mean_words", "n", "samples",
                       "sampled": {"rule_score", "checks", "all_four", "mean_words", "n"}},  # with "sampling"
                 "3": {...}},
-     "reward_model": {"dir", "pairs", "accuracy": {"overall": 0.95, "repeated_word": 0.92, ...}}}
+     "reward_model": {"dir", "pairs", "accuracy": {"overall": 0.95, "repeated_word": 0.92, ...},
+                      "scale": {"prompts": 40, "per_class": 8,
+                                "ranked": {"three_good>two_good": 0.74, ..., "one_good>repeat": 0.18}}}}
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+import random
+from typing import Dict, List, Optional, Tuple
 
 from utils.data import rule_score
-from utils.data.builtin import load_builtin
+from utils.data.builtin import SCALE_CLASSES, load_builtin, scale_answer
 
 N_PROMPTS = 40
 MAX_NEW_TOKENS = 32
 N_SAMPLES = 3
 PER_PROMPT = 8  # sampled answers per prompt (with step 3's sampling settings)
 SEED = 1234
+PER_CLASS = 8  # independent answers per class and prompt in the reward model's scale check
+# class pairs of the scale check, better first: the rules' order, where one good word still beats a repeat
+SCALE_PAIRS = (("three_good", "two_good"), ("two_good", "one_good"), ("three_good", "repeat"), ("one_good", "repeat"))
 
 
 def heldout_prompts(dataset: str = "builtin/preference", n: int = N_PROMPTS) -> List[str]:
@@ -101,8 +109,39 @@ def actor_report(model_dir: str, prompts: List[str], sampling: Optional[dict] = 
     return report
 
 
+def scale_answers(prompts: List[str], per_class: int = PER_CLASS, seed: int = SEED) -> List[Tuple[str, str, str]]:
+    """``(prompt, class, answer)`` rows: ``per_class`` answers of each of :data:`SCALE_CLASSES` per prompt, each
+    drawn independently of the others (prompts without an object to describe are skipped)."""
+    rng = random.Random(seed)
+    rows = []
+    for prompt in prompts:
+        noun = rule_score.asked_object(prompt)
+        if noun is None:
+            continue
+        rows += [(prompt, cls, scale_answer(rng, noun, cls)) for cls in SCALE_CLASSES for _ in range(per_class)]
+    return rows
+
+
+def ranked_shares(rows: List[Tuple[str, str, str]], scores: List[float]) -> Dict[str, float]:
+    """For each pair of classes in :data:`SCALE_PAIRS` (better first), the share of same-prompt answer pairs
+    the scores rank as the rules do (better > worse; a tie counts half), keyed ``"better>worse"``."""
+    by = {}
+    for (prompt, cls, _), score in zip(rows, scores):
+        by.setdefault((prompt, cls), []).append(score)
+    prompts = {prompt for prompt, _, _ in rows}
+    shares = {}
+    for better, worse in SCALE_PAIRS:
+        pairs = [(x, y) for p in prompts for x in by.get((p, better), []) for y in by.get((p, worse), [])]
+        if pairs:
+            shares[f"{better}>{worse}"] = sum((x > y) + 0.5 * (x == y) for x, y in pairs) / len(pairs)
+    return shares
+
+
 def reward_model_report(rm_dir: str, dataset: str = "builtin/preference") -> dict:
-    """Accuracy (chosen > rejected) of the step-2 model in ``rm_dir`` on every held-out pair, overall and per kind."""
+    """The step-2 model in ``rm_dir`` on held-out data: accuracy (chosen > rejected) on every held-out pair,
+    overall and per kind, and under ``"scale"`` how it ranks answers drawn independently for the same prompt
+    (:func:`scale_answers`, :func:`ranked_shares`; the pairs are mostly small edits of each other, which a
+    reward model can rank right without putting different answers on one scale, and PPO exploits that)."""
     from step2_reward_model_finetuning.rw_eval import accuracy_by_kind, score_texts
     from utils.model.critic import load_reward_model
 
@@ -111,7 +150,12 @@ def reward_model_report(rm_dir: str, dataset: str = "builtin/preference") -> dic
     pairs = [(r["prompt"], r[side]) for r in rows for side in ("chosen", "rejected")]
     scores = score_texts(model, tokenizer, pairs, max_seq_len=128, eot=tokenizer.eos_token, batch_size=64)
     accuracy = accuracy_by_kind([r.get("kind") for r in rows], scores[0::2], scores[1::2])
-    return {"dir": rm_dir, "pairs": len(rows), "accuracy": accuracy}
+    scale_rows = scale_answers(heldout_prompts(dataset))
+    scale_scores = score_texts(model, tokenizer, [(p, a) for p, _, a in scale_rows], max_seq_len=128,
+                               eot=tokenizer.eos_token, batch_size=64)
+    scale = {"prompts": len({p for p, _, _ in scale_rows}), "per_class": PER_CLASS,
+             "ranked": ranked_shares(scale_rows, scale_scores)}
+    return {"dir": rm_dir, "pairs": len(rows), "accuracy": accuracy, "scale": scale}
 
 
 def _has_model(folder: str) -> bool:

@@ -213,6 +213,12 @@ def format_heldout(heldout: dict) -> str:
         kinds = ", ".join(f"{k} {_f(v)}" for k, v in acc.items() if k != "overall")
         lines.append(f"reward model on {rm.get('pairs')} held-out pairs: accuracy {_f(acc.get('overall'))} "
                      f"(per rejected kind: {kinds})")
+        scale = rm.get("scale")
+        if scale and scale.get("ranked"):
+            ranked = ", ".join(f"{pair.replace('_', ' ').replace('>', ' > ')} {_f(v)}"
+                               for pair, v in scale["ranked"].items())
+            lines.append(f"reward model on answers drawn independently for the same prompt ({scale['per_class']} "
+                         f"per kind and prompt), share ranked as the rules rank them: {ranked}")
     return "\n".join(lines)
 
 

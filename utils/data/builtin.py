@@ -149,6 +149,21 @@ def quality(answer: str, noun: str) -> int:
     return score - (6 if broken else 0)
 
 
+# Answers of a known rank drawn independently of each other, for the held-out check of the reward model's
+# common scale (utils/heldout.py): best first by quality() (3, 2, 1, and -3 or -4 for the repeat).
+SCALE_CLASSES = ("three_good", "two_good", "one_good", "repeat")
+
+
+def scale_answer(rng: random.Random, noun: str, cls: str) -> str:
+    """A well-formed answer about ``noun`` of class ``cls`` (:data:`SCALE_CLASSES`): three different adjectives
+    with 3, 2 or 1 good ones, or two different good ones of which one is repeated ("clear and safe and safe")."""
+    if cls == "repeat":
+        a, b = rng.sample(GOOD, 2)
+        return _sentence(noun, list(rng.choice(((a, b, b), (a, b, a), (a, a, b)))))
+    n_good = {"three_good": 3, "two_good": 2, "one_good": 1}[cls]
+    return _sentence(noun, _words(rng, n_good))
+
+
 def _row(rng: random.Random) -> Dict[str, str]:
     noun = rng.choice(NOUNS)
     prompt = " Human: " + rng.choice(TEMPLATES).format(noun=noun) + " Assistant:"
