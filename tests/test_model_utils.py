@@ -139,3 +139,26 @@ def test_save_hf_format_is_atomic(opt_dir, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["actor"]
     reloaded = AutoModelForCausalLM.from_pretrained(str(out))
     torch.testing.assert_close(reloaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+
+
+def test_loading_info_in_a_line_or_two():
+    assert mu.describe_loading_info({"missing_keys": set(), "unexpected_keys": set()}, "m") == []
+    assert mu.describe_loading_info({"unexpected_keys": {"lm_head.weight"}, "missing_keys": set()}, "opt") == [
+        "opt: its LM head (lm_head.weight) is not part of this model and is left out"]
+    lines = mu.describe_loading_info({"unexpected_keys": {"lm_head.weight", "extra.a", "extra.b"},
+                                      "missing_keys": {f"layers.{i}.w" for i in range(5)}}, "m", shown=2)
+    assert lines == ["m: its LM head (lm_head.weight) is not part of this model and is left out",
+                     "warning: m: 2 checkpoint weights unused: extra.a, extra.b",
+                     "warning: m: 5 weights not in the checkpoint, initialised randomly: layers.0.w, layers.1.w and 3 more"]
+
+
+def test_a_backbone_from_a_causal_lm_folder_says_so_in_one_line(capfd):
+    # transformers 5 prints a multi-line "LOAD REPORT" table (UNEXPECTED lm_head.weight) when step 2 builds its
+    # backbone from a causal LM with an untied head (tiny-llama, Llama; OPT ties it and saves none)
+    from transformers import AutoModel
+
+    tokenizer = mu.load_hf_tokenizer("tiny-llama")
+    mu.create_hf_model(AutoModel, "tiny-llama", tokenizer)
+    out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err and "UNEXPECTED" not in out + err
+    assert "tiny-llama: its LM head (lm_head.weight) is not part of this model and is left out" in out

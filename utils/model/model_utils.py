@@ -12,8 +12,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import logging
 import math
 import os
 
@@ -131,15 +133,67 @@ def create_hf_model(model_class, model_name_or_path: str, tokenizer, ds_config: 
         model = model_class.from_config(config, trust_remote_code=trust_remote_code)
     else:
         try:
-            model = model_class.from_pretrained(path, config=config, dtype=torch.float32, local_files_only=local,
-                                                trust_remote_code=trust_remote_code)
+            with _without_load_report():  # said in a line below instead (describe_loading_info)
+                model, info = model_class.from_pretrained(path, config=config, dtype=torch.float32,
+                                                          local_files_only=local, trust_remote_code=trust_remote_code,
+                                                          output_loading_info=True)
         except OSError as e:  # no weight files in the folder, hub unreachable
             raise UserInputError(f"cannot load the model weights for {model_name_or_path!r}: {e}") from None
+        if is_rank_0():
+            for line in describe_loading_info(info, model_name_or_path):
+                print(line, flush=True)
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.resize_token_embeddings(int(8 * math.ceil(len(tokenizer) / 8.0)))
     del dschf
     return model
+
+
+def describe_loading_info(info: dict, name: str, shown: int = 3) -> list:
+    """``from_pretrained``'s loading info in a line or two, instead of transformers' multi-line load report.
+
+    A backbone built from a causal-LM checkpoint (step 2: the reward model's, from a step-1 folder or
+    ``facebook/opt-350m``) leaves the LM head out by design: one plain line. Weights the model has but
+    the checkpoint lacks (initialised randomly) and other unused checkpoint weights are warnings.
+    """
+    def some(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+    lines = []
+    unexpected = set(info.get("unexpected_keys") or ())
+    head = {k for k in unexpected if k.split(".")[0] in ("lm_head", "embed_out")}
+    if head:
+        lines.append(f"{name}: its LM head ({some(head)}) is not part of this model and is left out")
+    if unexpected - head:
+        lines.append(f"warning: {name}: {len(unexpected - head)} checkpoint weights unused: {some(unexpected - head)}")
+    missing = set(info.get("missing_keys") or ())
+    if missing:
+        lines.append(f"warning: {name}: {len(missing)} weights not in the checkpoint, initialised randomly: "
+                     f"{some(missing)}")
+    return lines
+
+
+class _LoadReportFilter(logging.Filter):
+    """Drops transformers' load report, except one naming size mismatches or conversion errors (an error
+    follows it that points to the report)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return "LOAD REPORT" not in text or "MISMATCH" in text or "CONVERSION" in text
+
+
+@contextlib.contextmanager
+def _without_load_report():
+    handlers = logging.getLogger("transformers").handlers
+    report_filter = _LoadReportFilter()
+    for handler in handlers:
+        handler.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(report_filter)
 
 
 def check_tokenizer_fits_model(tokenizer, model) -> None:
