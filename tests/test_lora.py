@@ -163,10 +163,15 @@ def test_activation_checkpointing_uses_the_non_deprecated_entry_point(model):
         warnings.simplefilter("error", FutureWarning)
         enable_activation_checkpointing(model)
         reward.gradient_checkpointing_enable()
+
     def on(m):  # transformers 5.24 renamed the flag too
         return m.is_activation_checkpointing if hasattr(type(m), "is_activation_checkpointing") else m.is_gradient_checkpointing
 
     assert on(model) and on(reward.rwtransformer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        reward.gradient_checkpointing_disable()
+    assert not on(reward.rwtransformer)
 
 
 def test_unmatched_module_name_is_a_user_error(model):

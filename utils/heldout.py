@@ -137,9 +137,9 @@ def ranked_shares(rows: List[Tuple[str, str, str]], scores: List[float]) -> Dict
     return shares
 
 
-def reward_model_report(rm_dir: str, dataset: str = "builtin/preference") -> dict:
+def reward_model_report(rm_dir: str, prompts: List[str], dataset: str = "builtin/preference") -> dict:
     """The step-2 model in ``rm_dir`` on held-out data: accuracy (chosen > rejected) on every held-out pair,
-    overall and per kind, and under ``"scale"`` how it ranks answers drawn independently for the same prompt
+    overall and per kind, and under ``"scale"`` how it ranks answers drawn independently for each of ``prompts``
     (:func:`scale_answers`, :func:`ranked_shares`; the pairs are mostly small edits of each other, which a
     reward model can rank right without putting different answers on one scale, and PPO exploits that)."""
     from step2_reward_model_finetuning.rw_eval import accuracy_by_kind, score_texts
@@ -150,7 +150,7 @@ def reward_model_report(rm_dir: str, dataset: str = "builtin/preference") -> dic
     pairs = [(r["prompt"], r[side]) for r in rows for side in ("chosen", "rejected")]
     scores = score_texts(model, tokenizer, pairs, max_seq_len=128, eot=tokenizer.eos_token, batch_size=64)
     accuracy = accuracy_by_kind([r.get("kind") for r in rows], scores[0::2], scores[1::2])
-    scale_rows = scale_answers(heldout_prompts(dataset))
+    scale_rows = scale_answers(prompts)
     scale_scores = score_texts(model, tokenizer, [(p, a) for p, _, a in scale_rows], max_seq_len=128,
                                eot=tokenizer.eos_token, batch_size=64)
     scale = {"prompts": len({p for p, _, _ in scale_rows}), "per_class": PER_CLASS,
@@ -177,5 +177,5 @@ def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str =
         if _has_model(folder):
             result["actors"][str(step)] = actor_report(folder, prompts, sampling)
     if rm_dir and _has_model(rm_dir):
-        result["reward_model"] = reward_model_report(rm_dir, dataset)
+        result["reward_model"] = reward_model_report(rm_dir, prompts, dataset)
     return result

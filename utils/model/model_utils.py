@@ -45,6 +45,12 @@ def enable_activation_checkpointing(model, **kwargs) -> None:
     enable(**kwargs)
 
 
+def disable_activation_checkpointing(model) -> None:
+    """The inverse of :func:`enable_activation_checkpointing`, by the same naming rule."""
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()
+
+
 def resolve_model_name_or_path(name_or_path: str) -> str:
     """Built-in names -> their folder; a path-looking name that does not exist -> clear error."""
     path = resolve_model_path(name_or_path)
@@ -165,8 +171,9 @@ def describe_loading_info(info: dict, name: str, shown: int = 3) -> list:
     head = {k for k in unexpected if k.split(".")[0] in ("lm_head", "embed_out")}
     if head:
         lines.append(f"{name}: its LM head ({some(head)}) is not part of this model and is left out")
-    if unexpected - head:
-        lines.append(f"warning: {name}: {len(unexpected - head)} checkpoint weights unused: {some(unexpected - head)}")
+    unused = unexpected - head
+    if unused:
+        lines.append(f"warning: {name}: {len(unused)} checkpoint weights unused: {some(unused)}")
     missing = set(info.get("missing_keys") or ())
     if missing:
         lines.append(f"warning: {name}: {len(missing)} weights not in the checkpoint, initialised randomly: "

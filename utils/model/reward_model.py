@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.model.model_utils import cache_kwarg, enable_activation_checkpointing
+from utils.model.model_utils import cache_kwarg, disable_activation_checkpointing, enable_activation_checkpointing
 from utils.rl_math import pairwise_reward_loss
 
 
@@ -114,17 +114,17 @@ class RewardModel(nn.Module):
         enable_activation_checkpointing(self.rwtransformer, **kwargs)
 
     def gradient_checkpointing_disable(self):
-        backbone = self.rwtransformer
-        getattr(backbone, "activation_checkpointing_disable", backbone.gradient_checkpointing_disable)()
+        disable_activation_checkpointing(self.rwtransformer)
 
     def _values(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None, head_mask=None,
                 inputs_embeds=None, use_cache=False) -> torch.Tensor:
         """``[B, T]`` per-token values ``v_head(h_t)``, fp32 (see :class:`ValueHead`)."""
         kwargs = dict(attention_mask=attention_mask, use_cache=use_cache)
-        for name, value in ((cache_kwarg(self.rwtransformer), past_key_values), ("position_ids", position_ids),
-                            ("head_mask", head_mask), ("inputs_embeds", inputs_embeds)):
+        for name, value in (("position_ids", position_ids), ("head_mask", head_mask), ("inputs_embeds", inputs_embeds)):
             if value is not None:
                 kwargs[name] = value
+        if past_key_values is not None:
+            kwargs[cache_kwarg(self.rwtransformer)] = past_key_values
         hidden = self.rwtransformer(input_ids, **kwargs)[0]
         return self.v_head(hidden).squeeze(-1)  # fp32 (ValueHead)
 
