@@ -33,6 +33,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig,  # pure dataclasses: no torch
+                                          field_defaults)
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY
 from utils.launch import deepspeed_launcher, free_port
@@ -238,6 +240,40 @@ def reward_from_actor(args) -> bool:
     return args.demo and args.reward_model == args.actor_model
 
 
+def step3_models(flags: list) -> tuple[bool, bool]:
+    """(critic, reward model): which step-2-based models step 3 builds with these flags. A critic for PPO only;
+    a reward model unless a reward function alone scores (``--reward_fn`` without ``--reward_fn_weight``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--advantage_estimator", default=field_defaults(PPOConfig)["advantage_estimator"])
+    parser.add_argument("--reward_fn", default=None)
+    parser.add_argument("--reward_fn_weight", type=float, default=None)
+    known, _ = parser.parse_known_args(flags)
+    try:
+        critic = PPOConfig(advantage_estimator=known.advantage_estimator).uses_critic
+    except ValueError:  # an unknown estimator: step 3 refuses it with its own message
+        return True, True
+    return critic, RewardConfig(fn=known.reward_fn, fn_weight=known.reward_fn_weight).uses_model
+
+
+def step3_uses_step2(args) -> bool:
+    """Whether step 3 reads the step-2 folder (for its critic or its reward model)."""
+    return any(step3_models(extra_flags(args, 3)))
+
+
+def drop_flags(flags: list, names) -> list:
+    """``flags`` without ``--name [value]`` for each of ``names``."""
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        if flag.startswith("--") and flag[2:] in names:
+            skip = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+            continue
+        out.append(flag)
+    return out
+
+
 def step_flags(args, n: int) -> list:
     """The flags train.py itself gives step ``n`` (models, output, ZeRO stages, padding)."""
     out = step_output_dir(args, n)
@@ -249,8 +285,9 @@ def step_flags(args, n: int) -> list:
         if zero is not None:
             flags += ["--zero_stage", str(zero)]
     else:
-        flags += ["--actor_model_name_or_path", step_output_dir(args, 1),
-                  "--critic_model_name_or_path", step_output_dir(args, 2)]
+        flags += ["--actor_model_name_or_path", step_output_dir(args, 1)]
+        if step3_uses_step2(args):
+            flags += ["--critic_model_name_or_path", step_output_dir(args, 2)]
         if args.actor_zero_stage is not None:
             flags += ["--actor_zero_stage", str(args.actor_zero_stage)]
         if args.reward_zero_stage is not None:
@@ -263,7 +300,10 @@ def step_flags(args, n: int) -> list:
 
 def extra_flags(args, n: int) -> list:
     demo = shlex.split(DEMO_ARGS[n]) if args.demo else []
-    return demo + (["--overwrite"] if args.overwrite else []) + shlex.split(getattr(args, f"step{n}_args"))
+    user = shlex.split(getattr(args, f"step{n}_args"))
+    if n == 3 and demo and not step3_models(demo + user)[0]:  # a critic-free estimator: the demo's critic flags go
+        demo = drop_flags(demo, CRITIC_ONLY_FLAGS)
+    return demo + (["--overwrite"] if args.overwrite else []) + user
 
 
 def size_script(args, n: int, gpus: int) -> str | None:
@@ -278,7 +318,8 @@ def size_script(args, n: int, gpus: int) -> str | None:
 def plan_step(args, n: int, gpus: int) -> Launch:
     step = STEPS[n]
     out = step_output_dir(args, n)
-    needs = [(1, step_output_dir(args, 1)), (2, step_output_dir(args, 2))] if n == 3 else []
+    needs = [(1, step_output_dir(args, 1))] + ([(2, step_output_dir(args, 2))] if step3_uses_step2(args) else []) \
+        if n == 3 else []
     if n == 2 and reward_from_actor(args):
         needs = [(1, step_output_dir(args, 1))]
     script = size_script(args, n, gpus)

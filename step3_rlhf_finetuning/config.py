@@ -2,14 +2,17 @@
 
 The engine (:class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine`) reads an
 :class:`EngineConfig`, the trainer (:class:`~step3_rlhf_finetuning.ppo_trainer.DeepSpeedPPOTrainer`)
-a :class:`PPOConfig` and a :class:`GenerationConfig`; neither sees the argparse namespace.
-Defaults are the flags' defaults, so a test builds ``PPOConfig(kl_ctl=0.2)`` and nothing else.
+a :class:`PPOConfig`, a :class:`RewardConfig` and a :class:`GenerationConfig`; neither sees the
+argparse namespace. The dataclasses hold the defaults: the flags take theirs from here (a test
+checks that they agree), so a test builds ``PPOConfig(kl_ctl=0.2)`` and nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING
 
-from utils.training import OptimConfig
+if TYPE_CHECKING:  # this module stays free of torch: train.py reads the RL rules from it
+    from utils.training import OptimConfig
 
 
 @dataclass(frozen=True)
@@ -32,10 +35,36 @@ class GenerationConfig:
         return self.temperature if self.do_sample else 1.0
 
 
+def field_defaults(cls) -> dict:
+    """``{field: default}`` of a config dataclass (before ``__post_init__`` resolves any): the flags' defaults."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+# The advantage estimators (``--advantage_estimator``): ``gae`` is DeepSpeed-Chat's PPO with a critic; the
+# others are critic-free (utils.rl_math.SEQUENCE_ESTIMATORS). OpenRLHF's name ``group_norm`` means ``grpo``.
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
+ESTIMATOR_ALIASES = {"group_norm": "grpo"}
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")  # compare the answers of one prompt: G ≥ 2
+# (use_kl_loss, kl_estimator) by estimator, as in the papers: PPO (DeepSpeed-Chat), RLOO and REINFORCE++ put a
+# k1 KL penalty into the reward; GRPO and Dr. GRPO add a k3 KL term to the loss.
+# Flags only the critic reads: refused when no critic is built (a critic-free --advantage_estimator)
+CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_zero_stage", "critic_dropout",
+                     "critic_gradient_checkpointing", "critic_lora_dim", "critic_lora_module_name",
+                     "critic_lora_learning_rate", "cliprange_value", "lam", "align_overflow")
+KL_DEFAULTS = {"gae": (False, "k1"), "grpo": (True, "k3"), "dr_grpo": (True, "k3"), "rloo": (False, "k1"),
+               "reinforce_baseline": (False, "k1"), "reinforce": (False, "k1")}
+
+
 @dataclass(frozen=True)
 class PPOConfig:
-    """The PPO update: KL penalty, clipping, GAE, passes, unsupervised mixing, fp16 overflow handling."""
+    """The RL update: advantage estimator, samples per prompt, KL penalty, clipping, GAE, passes, unsupervised
+    mixing, fp16 overflow handling. ``use_kl_loss`` / ``kl_estimator`` left None take the estimator's defaults
+    (:data:`KL_DEFAULTS`)."""
+    advantage_estimator: str = "gae"
+    n_samples_per_prompt: int = 1
     kl_ctl: float = 0.1
+    kl_estimator: str | None = None
+    use_kl_loss: bool | None = None
     clip_reward_value: float = 5.0
     cliprange: float = 0.2
     cliprange_value: float = 0.2
@@ -46,6 +75,34 @@ class PPOConfig:
     unsup_coef: float = 27.8
     align_overflow: bool = False  # fp16 only (from_args turns it off, with a warning, for other dtypes)
     ema_beta: float = 0.992  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
+
+    def __post_init__(self):
+        estimator = ESTIMATOR_ALIASES.get(self.advantage_estimator, self.advantage_estimator)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {self.advantage_estimator!r}")
+        use_kl_loss, kl_estimator = KL_DEFAULTS[estimator]
+        object.__setattr__(self, "advantage_estimator", estimator)
+        if self.use_kl_loss is None:
+            object.__setattr__(self, "use_kl_loss", use_kl_loss)
+        if self.kl_estimator is None:
+            object.__setattr__(self, "kl_estimator", kl_estimator)
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only PPO (GAE) learns a value function."""
+        return self.advantage_estimator == "gae"
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where the reward comes from: the reward model (the engine's ``reward``, when it has one), a reward
+    function (``--reward_fn``: :mod:`utils.reward_functions`), or both: ``score = RM + fn_weight · fn``."""
+    fn: str | None = None
+    fn_weight: float | None = None  # None with fn: the function alone (no reward model is loaded)
+
+    @property
+    def uses_model(self) -> bool:
+        return self.fn is None or self.fn_weight is not None
 
 
 @dataclass(frozen=True)
@@ -74,10 +131,21 @@ class HybridEngineConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """The frozen step-2 reward model: ZeRO 3 iff the model it sits beside (critic, else actor) uses 3."""
+    model_name_or_path: str
+    zero_stage: int = 0
+    offload: bool = False  # --offload_reward_model
+    dropout: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """The five models of step 3 (see :mod:`step3_rlhf_finetuning.rlhf_engine`)."""
+    """The models of step 3 (see :mod:`step3_rlhf_finetuning.rlhf_engine`): no critic for the critic-free
+    estimators, no reward model when a reward function alone scores the answers."""
     actor: RoleConfig
-    critic: RoleConfig
+    critic: RoleConfig | None
+    reward_model: RewardModelConfig | None
     dtype: str
     micro_batch: int  # --per_device_training_batch_size
     max_seq_len: int  # prompt + answer
@@ -94,12 +162,15 @@ class EngineConfig:
 class Step3Config:
     engine: EngineConfig
     ppo: PPOConfig
+    reward: RewardConfig
     generation: GenerationConfig
     unsupervised: bool  # --unsupervised_dataset_name given: the actor also trains on text (PPO-ptx)
 
     @classmethod
     def from_args(cls, args) -> "Step3Config":
         """From step 3's parsed flags, after :func:`utils.training.start_run` resolved ``--dtype``."""
+        from utils.training import OptimConfig
+
         dtype, unsupervised = args.dtype, bool(args.unsupervised_dataset_name)
         if dtype is None:
             raise ValueError("Step3Config.from_args needs --dtype resolved (utils.training.start_run does it)")
@@ -113,12 +184,24 @@ class Step3Config:
                               gradient_checkpointing=getattr(args, f"{name}_gradient_checkpointing"),
                               grad_accum=grad_accum, offload_frozen=offload_frozen)
 
+        ppo = PPOConfig(advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
+                        kl_ctl=args.kl_ctl, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
+                        clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
+                        cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
+                        ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
+                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
+        reward = RewardConfig(fn=args.reward_fn, fn_weight=args.reward_fn_weight)
         # with mixing, a micro-batch's PPO and LM gradients share one actor update (as DeepSpeed-Chat)
         actor_accum = args.gradient_accumulation_steps * (2 if unsupervised else 1)
+        critic = role("critic", args.offload_reward_model, args.gradient_accumulation_steps) \
+            if ppo.uses_critic else None
+        reward_model = RewardModelConfig(
+            model_name_or_path=args.critic_model_name_or_path,
+            zero_stage=critic.zero_stage if critic else args.actor_zero_stage, offload=args.offload_reward_model,
+            dropout=critic.dropout if critic else None) if reward.uses_model else None
         engine = EngineConfig(
-            actor=role("actor", args.offload_reference_model, actor_accum),
-            critic=role("critic", args.offload_reward_model, args.gradient_accumulation_steps),
-            dtype=dtype, micro_batch=args.per_device_training_batch_size,
+            actor=role("actor", args.offload_reference_model, actor_accum), critic=critic,
+            reward_model=reward_model, dtype=dtype, micro_batch=args.per_device_training_batch_size,
             max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len, offload=args.offload,
             only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema,
             num_padding_at_beginning=args.num_padding_at_beginning, trust_remote_code=args.trust_remote_code,
@@ -128,10 +211,6 @@ class Step3Config:
                                       pin_parameters=not args.unpin_actor_parameters,
                                       tp_gather_partition_size=args.tp_gather_partition_size,
                                       mixed_precision_lora=args.enable_mixed_precision_lora))
-        ppo = PPOConfig(kl_ctl=args.kl_ctl, clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
-                        cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
-                        ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
-                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
         generation = GenerationConfig(max_prompt_seq_len=args.max_prompt_seq_len,
                                       max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -139,4 +218,4 @@ class Step3Config:
                                       eot_token=args.eot_token if args.add_eot_token else None,
                                       print_answers=args.print_answers,
                                       print_answers_interval=args.print_answers_interval)
-        return cls(engine=engine, ppo=ppo, generation=generation, unsupervised=unsupervised)
+        return cls(engine=engine, ppo=ppo, reward=reward, generation=generation, unsupervised=unsupervised)

@@ -1,21 +1,25 @@
 #!/usr/bin/env python
-"""Step 3: RLHF fine-tuning of the step-1 actor with PPO against the step-2 reward model.
+"""Step 3: RL fine-tuning of the step-1 actor: PPO against the step-2 reward model (DeepSpeed-Chat's step 3), or a
+critic-free estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++) against a reward model and/or a reward function.
 
     deepspeed main.py --actor_model_name_or_path out/actor --critic_model_name_or_path out/reward ...
     python main.py --actor_model_name_or_path out/actor --critic_model_name_or_path out/reward \\
         --data_path builtin/preference --output_dir out/step3 --max_prompt_seq_len 32 --max_answer_seq_len 24
+    python main.py --actor_model_name_or_path out/actor --advantage_estimator grpo --n_samples_per_prompt 4 \\
+        --do_sample --reward_fn builtin_rule --data_path builtin/preference --output_dir out/grpo
 
 parse → distributed set-up → tokenizer → phase-3 prompts (+ unsupervised text) →
-:class:`DeepSpeedRLHFEngine` (actor, ref, EMA, critic, reward) → for every
-``--generation_batches`` prompt batches: generate experience, then ``--ppo_epochs`` of
-PPO (+ LM loss on the unsupervised text, + EMA update) → save ``actor/``, ``critic/``
-and ``actor_ema/`` under ``--output_dir``. Sequence lengths are ``--max_prompt_seq_len``
-and ``--max_answer_seq_len`` (the shared ``--max_seq_len`` is not used here).
+:class:`DeepSpeedRLHFEngine` (actor, ref, EMA; critic for PPO; reward model unless a reward
+function alone scores) → for every ``--generation_batches`` prompt batches: **generate**
+``--n_samples_per_prompt`` answers per prompt, **score** them, estimate **advantages** on the
+whole round, **optimise** for ``--ppo_epochs`` (actor, critic for PPO; + LM loss on the
+unsupervised text, + EMA update) → save ``actor/`` (and ``critic/``, ``actor_ema/``) under
+``--output_dir``. Sequence lengths are ``--max_prompt_seq_len`` and ``--max_answer_seq_len``
+(the shared ``--max_seq_len`` is not used here).
 
-With ``--save_interval N`` a resumable checkpoint is written every N PPO steps (actor
-and critic engines, the EMA actor, RNG states, prompt position, reward EMA, history);
-rerunning the command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no
-step-3 resume).
+With ``--save_interval N`` a resumable checkpoint is written every N RL steps (actor and critic
+engines, the EMA actor, RNG states, prompt position, reward EMA, history); rerunning the
+command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no step-3 resume).
 """
 import argparse
 import math
@@ -25,9 +29,10 @@ import time
 
 import torch
 
-from step3_rlhf_finetuning.config import Step3Config
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised,
-                                               ExponentialMovingAverage, MiniDataset, summarize_experience)
+from step3_rlhf_finetuning.config import (ESTIMATOR_ALIASES, ESTIMATORS, GROUP_ESTIMATORS, GenerationConfig,
+                                          CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, Step3Config, field_defaults)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, ExponentialMovingAverage, Rollout,
+                                               cut_batches, summarize_rollout)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
@@ -45,15 +50,21 @@ from utils.model.critic import save_reward_model
 from utils.model.model_utils import save_hf_format
 from utils.perf import count_parameters, model_shape, step3_throughput, throughput_due, throughput_lines
 from utils.preflight import preflight
+from utils.reward_functions import BUILTIN as BUILTIN_REWARD_FNS
+from utils.reward_functions import check_rows, load_reward_fn
+from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
 from utils.training import load_tokenizer, start_run
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    ppo, gen = field_defaults(PPOConfig), field_defaults(GenerationConfig)  # the defaults live in the dataclasses
     parser = argparse.ArgumentParser(
         formatter_class=HelpFormatter,
-        description="Step 3: RLHF fine-tuning (PPO) of the step-1 actor against the step-2 reward model.")
+        description="Step 3: RL fine-tuning of the step-1 actor: PPO against the step-2 reward model, or a "
+                    "critic-free estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++) with a reward model and/or a reward "
+                    "function.")
     add_data_args(parser)
     g = parser.add_argument_group("step 3 data")
     g.add_argument("--unsupervised_dataset_name", type=str, default=None,
@@ -61,17 +72,20 @@ def parse_args(argv=None):
                         "folder of .txt files, a .json/.jsonl/.parquet/.csv file, or a hub dataset name.")
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
                    help="Configuration of a hub --unsupervised_dataset_name (e.g. wikitext-2-raw-v1).")
-    g.add_argument("--unsup_coef", type=float, default=27.8, help="γ of InstructGPT's Eq. 2: weight of the LM loss.")
+    g.add_argument("--unsup_coef", type=float, default=ppo["unsup_coef"],
+                   help="γ of InstructGPT's Eq. 2: weight of the LM loss.")
     g.add_argument("--preprocessing_num_workers", type=int, default=None,
                    help="Accepted for compatibility (tokenisation here is one batched pass).")
-    g.add_argument("--max_prompt_seq_len", type=int, default=256,
+    g.add_argument("--max_prompt_seq_len", type=int, default=gen["max_prompt_seq_len"],
                    help="Prompts are left-padded to this; longer prompts are dropped (with a count).")
-    g.add_argument("--max_answer_seq_len", type=int, default=256, help="Tokens generated per answer (at most).")
+    g.add_argument("--max_answer_seq_len", type=int, default=gen["max_answer_seq_len"],
+                   help="Tokens generated per answer (at most).")
 
     g = parser.add_argument_group("models")
     g.add_argument("--actor_model_name_or_path", type=str, required=True, help="Step-1 output (or any causal LM).")
-    g.add_argument("--critic_model_name_or_path", type=str, required=True,
-                   help="Step-2 output folder: initialises both critic and reward model.")
+    g.add_argument("--critic_model_name_or_path", type=str, default=None,
+                   help="Step-2 output folder: initialises the critic (PPO) and the reward model. Not needed "
+                        "(and refused) with a critic-free --advantage_estimator and --reward_fn alone.")
     add_num_padding_arg(g)
     g.add_argument("--allow_vocab_mismatch", action="store_true",
                    help="Run even when the actor's and the reward model's tokenizers differ (the reward model "
@@ -80,34 +94,64 @@ def parse_args(argv=None):
     add_rlhf_role_args(parser, "actor", learning_rate=9.65e-6)
     add_rlhf_role_args(parser, "critic", learning_rate=5e-6)
 
+    g = parser.add_argument_group("reward")
+    g.add_argument("--reward_fn", type=str, default=RewardConfig.fn,
+                   help=f"Score answers with a function instead of the reward model: built in "
+                        f"{', '.join(BUILTIN_REWARD_FNS)}, or path/to/file.py:function (called with the prompts, "
+                        "the answers and the dataset rows; returns one float per answer).")
+    g.add_argument("--reward_fn_weight", type=float, default=RewardConfig.fn_weight,
+                   help="Add the function's score, times this, to the reward model's (default: the function "
+                        "alone, and no reward model is loaded).")
+
+    g = parser.add_argument_group("RL algorithm")
+    g.add_argument("--advantage_estimator", default=ppo["advantage_estimator"],
+                   choices=ESTIMATORS + tuple(ESTIMATOR_ALIASES),
+                   help="gae = PPO with a critic (DeepSpeed-Chat); critic-free: grpo (group_norm), dr_grpo, rloo, "
+                        "reinforce_baseline (these compare the answers of one prompt: --n_samples_per_prompt ≥ 2) "
+                        "and reinforce (REINFORCE++).")
+    g.add_argument("--n_samples_per_prompt", type=int, default=ppo["n_samples_per_prompt"],
+                   help="Answers sampled per prompt (G); they form one group.")
+    g.add_argument("--kl_estimator", default=ppo["kl_estimator"], choices=KL_ESTIMATORS,
+                   help="KL(actor || reference) estimator: k1 = log-ratio, k2 = ½·log-ratio², k3 = unbiased and "
+                        "≥ 0 (default: k3 for grpo/dr_grpo, k1 for the others).")
+    g.add_argument("--use_kl_loss", default=ppo["use_kl_loss"], action=argparse.BooleanOptionalAction,
+                   help="KL penalty in the loss (β·KL, β = --kl_ctl) instead of in the reward (default: in the "
+                        "loss for grpo/dr_grpo, in the reward for the others, as in their papers).")
+
     g = parser.add_argument_group("PPO")
     g.add_argument("--per_device_generation_batch_size", type=int, default=16, help="Prompts per generation batch.")
-    g.add_argument("--per_device_training_batch_size", type=int, default=16, help="Micro batch of PPO training.")
-    g.add_argument("--generation_batches", type=int, default=1,
-                   help="Generation batches collected before each round of PPO training.")
-    g.add_argument("--ppo_epochs", type=int, default=1, help="Passes of PPO training over each round's experience.")
-    add_run_args(g, unit="PPO steps", output="actor/, critic/ and actor_ema/ are")
-    g.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient β.")
-    g.add_argument("--clip_reward_value", type=float, default=5.0, help="Reward-model scores are clipped to ±this.")
-    g.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip ε of the actor loss.")
-    g.add_argument("--cliprange_value", type=float, default=0.2, help="Value clip of the critic loss.")
-    g.add_argument("--gamma", type=float, default=1.0, help="Discount γ.")
-    g.add_argument("--lam", type=float, default=0.95, help="GAE λ.")
+    g.add_argument("--per_device_training_batch_size", type=int, default=16,
+                   help="Micro batch (answers) of the RL update.")
+    g.add_argument("--generation_batches", type=int, default=ppo["generation_batches"],
+                   help="Generation batches collected before each round of training.")
+    g.add_argument("--ppo_epochs", type=int, default=ppo["ppo_epochs"],
+                   help="Passes of training over each round's experience.")
+    add_run_args(g, unit="RL steps", output="actor/, critic/ and actor_ema/ are")
+    g.add_argument("--kl_ctl", type=float, default=ppo["kl_ctl"], help="KL penalty coefficient β.")
+    g.add_argument("--clip_reward_value", type=float, default=ppo["clip_reward_value"],
+                   help="Scores are clipped to ±this.")
+    g.add_argument("--cliprange", type=float, default=ppo["cliprange"], help="PPO ratio clip ε of the actor loss.")
+    g.add_argument("--cliprange_value", type=float, default=ppo["cliprange_value"],
+                   help="Value clip of the critic loss (gae).")
+    g.add_argument("--gamma", type=float, default=ppo["gamma"], help="Discount γ.")
+    g.add_argument("--lam", type=float, default=ppo["lam"], help="GAE λ (gae).")
     add_only_optimize_lora_arg(g)
-    g.add_argument("--enable_ema", action="store_true", help="Keep (and save) an EMA copy of the actor (β = 0.992).")
+    g.add_argument("--enable_ema", action="store_true",
+                   help=f"Keep (and save) an EMA copy of the actor (β = {ppo['ema_beta']}).")
     g.add_argument("--enable_mixed_precision_lora", action="store_true",
                    help="Mixed-precision ZeRO++ for LoRA (needs --actor_lora_dim > 0 and --actor_zero_stage 3).")
     g.add_argument("--align_overflow", action="store_true",
-                   help="fp16: skip both actor and critic steps when either overflows.")
+                   help="fp16: skip both actor and critic steps when either overflows (gae).")
 
     g = parser.add_argument_group("generation")
     add_sampling_args(g)
-    g.add_argument("--generation_backend", default="auto", choices=BACKENDS,
+    g.add_argument("--generation_backend", default=gen["backend"], choices=BACKENDS,
                    help="How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
                         "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, hf on "
                         "CPU. Falls back to hf, saying why, for ZeRO-3 and unchecked architectures.")
     g.add_argument("--print_answers", action="store_true", help="Print prompts and answers during training.")
-    g.add_argument("--print_answers_interval", type=int, default=1, help="... every this many generation batches.")
+    g.add_argument("--print_answers_interval", type=int, default=gen["print_answers_interval"],
+                   help="... every this many generation batches.")
 
     add_deepspeed_args(parser)
     g = parser.add_argument_group("hybrid engine and offload")
@@ -126,9 +170,61 @@ def parse_args(argv=None):
     add_offload_reference_arg(g)
     g.add_argument("--offload_reward_model", action="store_true", help="ZeRO-Offload the reward model.")
     add_logging_args(parser, tensorboard_path="step3_tensorboard")
-    add_checkpoint_args(parser, unit="PPO steps")
+    add_checkpoint_args(parser, unit="RL steps")
     parser.set_defaults(num_warmup_steps=100)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    args.advantage_estimator = ESTIMATOR_ALIASES.get(args.advantage_estimator, args.advantage_estimator)
+    return args
+
+
+def _explicit(args, names) -> list:
+    """The flags among ``names`` whose value differs from the parser's default."""
+    parser = build_parser()
+    return [f"--{name}" for name in names if getattr(args, name) != parser.get_default(name)]
+
+
+def validate_rl(args) -> None:
+    """The RL algorithm and the reward source: a clear error for every combination that cannot work or would
+    silently ignore a flag."""
+    estimator, G = args.advantage_estimator, args.n_samples_per_prompt
+    if G < 1:
+        raise UserInputError(f"--n_samples_per_prompt must be ≥ 1, got {G}")
+    if estimator in GROUP_ESTIMATORS and G < 2:
+        raise UserInputError(f"--advantage_estimator {estimator} compares the answers of one prompt: it needs "
+                             f"--n_samples_per_prompt ≥ 2 (got {G}); e.g. --n_samples_per_prompt 4 --do_sample")
+    if G > 1 and not args.do_sample:
+        raise UserInputError(f"--n_samples_per_prompt {G} needs --do_sample: greedy decoding gives the same answer "
+                             f"{G} times")
+    if args.reward_fn_weight is not None and not (args.reward_fn and math.isfinite(args.reward_fn_weight)):
+        raise UserInputError("--reward_fn_weight needs --reward_fn and must be a finite number")
+    config = PPOConfig(advantage_estimator=estimator)
+    uses_model = RewardConfig(fn=args.reward_fn, fn_weight=args.reward_fn_weight).uses_model
+    needs_folder = config.uses_critic or uses_model
+    if needs_folder and not args.critic_model_name_or_path:
+        why = "the critic (--advantage_estimator gae)" if config.uses_critic else "the reward model"
+        raise UserInputError(f"--critic_model_name_or_path (a step-2 folder) is required: it initialises {why}; "
+                             "or score with a reward function alone (--reward_fn) and a critic-free "
+                             "--advantage_estimator")
+    if not needs_folder and args.critic_model_name_or_path:
+        raise UserInputError(f"--critic_model_name_or_path {args.critic_model_name_or_path} would not be used: "
+                             f"--advantage_estimator {estimator} has no critic and --reward_fn {args.reward_fn} "
+                             "alone scores the answers (drop the flag, or add --reward_fn_weight W to add the reward "
+                             "model's score)")
+    unused = [] if config.uses_critic else _explicit(args, CRITIC_ONLY_FLAGS)
+    if not uses_model and args.offload_reward_model:
+        unused.append("--offload_reward_model")
+    if unused:
+        what = "no critic" if config.uses_critic is False else "no reward model"
+        raise UserInputError(f"{', '.join(unused)} would not be used: --advantage_estimator {estimator}"
+                             f"{' with --reward_fn alone' if not uses_model else ''} builds {what}"
+                             f"{' and no reward model' if not uses_model and not config.uses_critic else ''}; drop "
+                             f"{'it' if len(unused) == 1 else 'them'}")
+    if args.reward_fn:
+        load_reward_fn(args.reward_fn)  # unknown name, missing file or function: refused before any set-up
 
 
 def validate_step3(args) -> None:
@@ -160,10 +256,11 @@ def validate_step3(args) -> None:
     for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             raise UserInputError(f"--{name} must be a finite number ≥ 0, got {getattr(args, name)}")
+    validate_rl(args)
 
 
 def create_datasets(args, tokenizer, log):
-    """(prompt loader, unsupervised loader or None, PPO steps, total optimizer steps of each model)."""
+    """(prompt dataset, prompt loader, unsupervised loader or None, RL steps, total optimizer steps per model)."""
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
                                        args.seed, tokenizer, args.max_prompt_seq_len,
                                        end_of_conversation_token=args.eot_token, log=log.info)
@@ -172,32 +269,33 @@ def create_datasets(args, tokenizer, log):
     prompt_loader = resumable_loader(prompts, args.per_device_generation_batch_size, args.seed,
                                      collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
     batches = len(prompt_loader)
+    answers_per_batch = args.per_device_generation_batch_size * args.n_samples_per_prompt
     unsup_loader = None
     if args.unsupervised_dataset_name:
         text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
                                      args.max_prompt_seq_len + args.max_answer_seq_len, log=log.info)
-        unsup_loader = resumable_loader(text, args.per_device_generation_batch_size, args.seed, drop_last=True)
+        # one block of text per answer: the LM and the RL micro-batches pair up one to one
+        unsup_loader = resumable_loader(text, answers_per_batch, args.seed, drop_last=True)
         batches = min(batches, len(unsup_loader))
         if batches == 0:
             raise UserInputError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: {len(text)} "
-                                 f"blocks, fewer than one batch of {args.per_device_generation_batch_size}")
+                                 f"blocks, fewer than one batch of {answers_per_batch}")
     steps_per_epoch = batches // args.generation_batches
     if steps_per_epoch == 0:
         raise UserInputError(f"{len(prompts)} phase-3 prompts per rank give {batches} generation batches, fewer than "
                              f"--generation_batches {args.generation_batches}")
-    ppo_steps = args.num_train_epochs * steps_per_epoch
+    rl_steps = args.num_train_epochs * steps_per_epoch
     if args.max_steps:
-        ppo_steps = min(ppo_steps, args.max_steps)
-    micro_batches = math.ceil(args.per_device_generation_batch_size * args.generation_batches
-                              / args.per_device_training_batch_size)
-    total_iters = max(1, math.ceil(ppo_steps * micro_batches * args.ppo_epochs / args.gradient_accumulation_steps))
-    return prompt_loader, unsup_loader, ppo_steps, total_iters
+        rl_steps = min(rl_steps, args.max_steps)
+    micro_batches = math.ceil(answers_per_batch * args.generation_batches / args.per_device_training_batch_size)
+    total_iters = max(1, math.ceil(rl_steps * micro_batches * args.ppo_epochs / args.gradient_accumulation_steps))
+    return prompts, prompt_loader, unsup_loader, rl_steps, total_iters
 
 
-def epoch_batches(batches: int, args, ppo_step: int) -> int:
+def epoch_batches(batches: int, args, rl_step: int) -> int:
     """Generation batches the epoch's progress bar counts: ``--max_steps`` can end the epoch early."""
     if args.max_steps:
-        return max(0, min(batches, (args.max_steps - ppo_step) * args.generation_batches))
+        return max(0, min(batches, (args.max_steps - rl_step) * args.generation_batches))
     return batches
 
 
@@ -214,49 +312,50 @@ def parameter_checksum(engine, zero_stage: int) -> float:
     return float(total)
 
 
-def train_on_experience(trainer, exp_dataset, unsup_dataset, ppo_epochs: int) -> dict:
-    """``ppo_epochs`` passes over one round's micro-batches; mean losses and trained-row counts (this rank)."""
-    actor_sum = critic_sum = unsup_sum = 0.0
-    iters = actor_rows = critic_rows = 0
-    paired = unsup_dataset if unsup_dataset is not None else [None] * len(exp_dataset)
+def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch: int, ppo_epochs: int) -> dict:
+    """``ppo_epochs`` passes over the round's micro-batches (actor, critic for gae; + LM loss on the text, + EMA):
+    the mean of each loss and the rows each model trained on (this rank)."""
+    micro = rollout.micro_batches(micro_batch)
+    unsup = cut_batches(unsup_batches, micro_batch) if unsup_batches else [None] * len(micro)
+    sums, iters, rows = {}, 0, {"actor_rows": 0, "critic_rows": 0}
     for _ in range(ppo_epochs):
-        for exp, unsup in zip(exp_dataset, paired):
-            actor_loss, critic_loss = trainer.train_rlhf(exp)
-            actor_sum, critic_sum = actor_sum + actor_loss.item(), critic_sum + critic_loss.item()
-            rows = exp["input_ids"].shape[0]
-            actor_rows, critic_rows = actor_rows + rows, critic_rows + rows
-            if unsup is not None:
-                unsup_sum += trainer.train_unsupervised(unsup).item()
-                actor_rows += unsup["input_ids"].shape[0]
+        for batch, text in zip(micro, unsup):
+            losses = trainer.train_step(batch)
+            rows["actor_rows"] += len(batch)
+            rows["critic_rows"] += len(batch) if "critic_loss" in losses else 0
+            if text is not None:
+                losses["unsup_loss"] = trainer.train_unsupervised(text)
+                rows["actor_rows"] += text["input_ids"].shape[0]
+            for name, value in losses.items():
+                sums[name] = sums.get(name, 0.0) + value.item()
             trainer.update_ema()
             iters += 1
-        random.shuffle(exp_dataset)
-        if unsup_dataset is not None:
-            random.shuffle(unsup_dataset)
-    return {"actor_loss": actor_sum / iters, "critic_loss": critic_sum / iters, "unsup_loss": unsup_sum / iters,
-            "actor_rows": actor_rows, "critic_rows": critic_rows}
+        random.shuffle(micro)
+        random.shuffle(unsup)
+    return {**{name: total / iters for name, total in sums.items()}, **rows}
 
 
-def all_reduce_stats(stats: dict, losses: dict) -> dict:
-    """Rank-averaged step metrics from per-rank experience sums and losses."""
-    from utils.distributed import get_all_reduce_mean
-
-    keys = ("kept", "reward_sum", "kl_sum", "answer_len_sum")
-    values = torch.tensor([float(stats[k]) for k in keys] + [losses["actor_loss"], losses["critic_loss"],
-                                                              losses["unsup_loss"]], dtype=torch.float64)
-    device = stats["kept"].device if torch.is_tensor(stats["kept"]) else "cpu"
-    mean = get_all_reduce_mean(values.to(device)).cpu().tolist()
-    kept, reward, kl, length, actor, critic, unsup = mean
-    kept = max(kept, 1e-12)
-    return {"reward": reward / kept, "kl": kl / kept, "answer_len": length / kept, "actor_loss": actor,
-            "critic_loss": critic, "unsup_loss": unsup}
+def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
+    """Rank-averaged step metrics: reward, KL (k3) and answer length over the kept answers of every rank, and
+    the mean of each loss."""
+    sums = summarize_rollout(rollout)
+    loss_names = sorted(name for name in losses if name.endswith("_loss"))
+    values = torch.stack([sums[k].double().cpu() for k in ("kept", "reward_sum", "kl_sum", "answer_len_sum")]
+                         + [torch.tensor(float(losses[n]), dtype=torch.float64) for n in loss_names])
+    mean = get_all_reduce_mean(values.to(rollout.input_ids.device)).cpu().tolist()
+    kept = max(mean[0], 1e-12)
+    metrics = {"reward": mean[1] / kept, "kl": mean[2] / kept, "answer_len": mean[3] / kept}
+    metrics.update(zip(loss_names, mean[4:]))
+    return metrics
 
 
 def throughput_constants(config, engine) -> dict:
     """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference) and model sizes."""
     constants = {"bytes_per_param": 4 if config.dtype == "fp32" else 2}
-    for name, role, model in (("actor", config.actor, engine.actor.module), ("critic", config.critic,
-                                                                             engine.critic.module)):
+    for name, role, model in (("actor", config.actor, engine.actor.module),
+                              ("critic", config.critic, engine.critic.module if engine.critic else None)):
+        if model is None:
+            continue
         factor = 4.0 if role.gradient_checkpointing else 3.0
         if role.lora_dim > 0:
             factor -= 1 - 2 * role.lora_dim / model_shape(model.config)[1]
@@ -264,20 +363,31 @@ def throughput_constants(config, engine) -> dict:
     return constants
 
 
-def _add_stats(total: dict | None, new: dict) -> dict:
-    return dict(new) if total is None else {k: total[k] + new[k] for k in total}
+def step_line(epoch: int, step: int, metrics: dict) -> str:
+    """The step's log line (DeepSpeed-Chat's, with the losses this run has)."""
+    parts = [f"Epoch: {epoch}", f"Step: {step}", f"Actor Loss: {metrics['actor_loss']:.4f}"]
+    for key, label in (("critic_loss", "Critic Loss"), ("kl_loss", "KL Loss"), ("unsup_loss", "Unsupervised Loss")):
+        if key in metrics:
+            parts.append(f"{label}: {metrics[key]:.4f}")
+    parts += [f"Average reward: {metrics['reward']:.4f}", f"EMA reward: {metrics['ema_reward']:.4f}",
+              f"KL: {metrics['kl']:.4f}", f"answer length: {metrics['answer_len']:.1f}",
+              f"dropped: {metrics['dropped']:.0f}"]
+    return " | ".join(parts)
 
 
 def main(args):
     # ---- fail fast on bad flags, model folders and data, before any set-up
     validate_step3(args)
     check_zero_combination(args)
+    reward_folders = {"--critic_model_name_or_path": args.critic_model_name_or_path} \
+        if args.critic_model_name_or_path else {}
     preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
-              reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}, phase=3,
+              reward_models=reward_folders, phase=3,
               length=(args.max_prompt_seq_len + args.max_answer_seq_len,
                       "--max_prompt_seq_len + --max_answer_seq_len"))
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
 
-    # ---- set-up: distributed, precision, seed, logger; the configuration of engines, PPO and generation
+    # ---- set-up: distributed, precision, seed, logger; the configuration of engines, RL and generation
     device, log = start_run(args, "step3_model")
     config = Step3Config.from_args(args)
     if args.align_overflow and not config.ppo.align_overflow:
@@ -285,48 +395,48 @@ def main(args):
 
     # ---- tokenizer, data, models
     tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
-    prompt_loader, unsup_loader, ppo_steps, total_iters = create_datasets(args, tokenizer, log)
+    prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
+    if args.reward_fn:
+        check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
     mixing = config.unsupervised
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
-    trainer = (DeepSpeedPPOTrainerUnsupervised if mixing else DeepSpeedPPOTrainer)(engine, config.ppo,
-                                                                                   config.generation, log.info)
+    trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn)
     ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
-    exp_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
-    unsup_mini = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
-
     perf_constants = throughput_constants(config.engine, engine)
     ema_reward = ExponentialMovingAverage()
-    history, ppo_step, gen_step, dropped_logged = [], 0, 0, 0
+    history, rl_step, gen_step, dropped_total, dropped_logged = [], 0, 0, 0, 0
     start_epoch, skip_batches = 0, 0
-    stats = timing = None
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
     # trained, so it is rebuilt from the step-1 folder instead of being saved
     ckpt = CheckpointManager.from_args(args, log)
-    engines = {"actor": engine.actor, "critic": engine.critic}
+    engines = {"actor": engine.actor}
+    if engine.critic is not None:
+        engines["critic"] = engine.critic
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)
     resumed = ckpt.resume(engines)
     if resumed:
         start_epoch, skip_batches = resumed["epoch"], resumed["batches_in_epoch"]
-        ppo_step, gen_step, history = resumed["ppo_step"], resumed["gen_step"], resumed["history"]
+        rl_step, gen_step, history = resumed["ppo_step"], resumed["gen_step"], resumed["history"]
         ema_reward.ema, dropped_logged = resumed["ema_reward"], resumed["dropped_logged"]
-        trainer.dropped_total = resumed["dropped_total"]
-        exp_mini.dataset, unsup_mini.dataset = resumed["exp_mini"], resumed["unsup_mini"]
-        stats, timing = resumed["stats"], resumed["timing"]
+        dropped_total = resumed["dropped_total"]
 
     def trainer_state(epoch: int, batches_in_epoch: int) -> dict:
-        """What a resumed run needs besides the engines and RNGs (tensors, numbers and lists only)."""
-        return {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "ppo_step": ppo_step, "gen_step": gen_step,
+        """What a resumed run needs besides the engines and RNGs (tensors, numbers and lists only). Saved right
+        after an RL step, when no generation batch of the next round has been drawn yet."""
+        return {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "ppo_step": rl_step, "gen_step": gen_step,
                 "history": history, "ema_reward": ema_reward.ema, "dropped_logged": dropped_logged,
-                "dropped_total": trainer.dropped_total, "exp_mini": exp_mini.dataset,
-                "unsup_mini": unsup_mini.dataset, "stats": stats, "timing": timing}
+                "dropped_total": dropped_total}
 
-    # ---- train
-    log.info(f"***** Running PPO: {ppo_steps} PPO steps, {total_iters} optimizer steps per model, "
-             f"unsupervised mixing {'on' if mixing else 'off'} *****")
+    # ---- train: generate -> score -> advantages -> optimise, once per --generation_batches prompt batches
+    critic_free = "critic-free, " if engine.critic is None else ""
+    log.info(f"***** Running RL ({config.ppo.advantage_estimator}: {critic_free}"
+             f"{config.ppo.n_samples_per_prompt} answer(s) per prompt): {rl_steps} RL steps, {total_iters} optimizer "
+             f"steps per model, unsupervised mixing {'on' if mixing else 'off'} *****")
+    rollouts, unsup_batches = [], []
     for epoch in range(start_epoch, args.num_train_epochs):
-        if args.max_steps and ppo_step >= args.max_steps:
+        if args.max_steps and rl_step >= args.max_steps:
             break
         skip = skip_batches if epoch == start_epoch else 0
         for loader in (prompt_loader, unsup_loader):
@@ -334,87 +444,92 @@ def main(args):
                 loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
         batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
         total = epoch_batches(min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader),
-                              args, ppo_step)
+                              args, rl_step)
         for batch_in_epoch, (batch_prompt, batch_unsup) in enumerate(
                 log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
             gen_step += 1
             batch_prompt = to_device(batch_prompt, device)
-            exp = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], gen_step)
-            step_time = {"experience": trainer.experience_time, "generate": trainer.generate_time,
-                         "tokens": trainer.generated_tokens, "sequences": batch_prompt["prompt"].shape[0]}
-            timing = _add_stats(timing, step_time)
-            if exp is None:
+            rollout = trainer.generate(batch_prompt["prompt"], batch_prompt["prompt_att_mask"],
+                                       batch_prompt["prompt_text"], batch_prompt["rows"], gen_step)
+            dropped_total += rollout.info["dropped"]
+            if rollout.info["kept"] == 0:
                 log.warning(f"generation batch {gen_step}: every answer had ≤ 1 token; skipped "
-                            f"({trainer.dropped_total} answers dropped so far)")
+                            f"({dropped_total} answers dropped so far)")
                 continue
-            stats = _add_stats(stats, summarize_experience(exp))
-            exp_dataset = exp_mini.add(exp)
-            unsup_dataset = unsup_mini.add(to_device(batch_unsup, device)) if mixing else None
-            if exp_dataset is None:
+            rollout.scores = trainer.score(rollout)
+            rollouts.append(rollout)
+            if mixing:
+                unsup_batches.append(to_device(batch_unsup, device))
+            if len(rollouts) < args.generation_batches:
                 continue
+            rollout, rollouts = Rollout.cat(rollouts), []
+            trainer.compute_advantages(rollout)
 
-            # ---- one PPO step on the collected experience
-            ppo_step += 1
+            # ---- one RL step on the round's experience
+            rl_step += 1
             train_start = time.time()
-            losses = train_on_experience(trainer, exp_dataset, unsup_dataset, config.ppo.ppo_epochs)
+            losses = optimise(trainer, rollout, unsup_batches, args.per_device_training_batch_size,
+                              config.ppo.ppo_epochs)
             train_time = time.time() - train_start
-            metrics = all_reduce_stats(stats, losses)
-            check_finite(ppo_step, actor_loss=metrics["actor_loss"], critic_loss=metrics["critic_loss"],
-                         unsupervised_loss=metrics["unsup_loss"], average_reward=metrics["reward"], kl=metrics["kl"])
+            unsup_batches = []
+            metrics = all_reduce_metrics(rollout, losses)
+            check_finite(rl_step, **{k: metrics[k] for k in sorted(metrics) if k.endswith("_loss")},
+                         average_reward=metrics["reward"], kl=metrics["kl"])
             metrics["ema_reward"] = ema_reward.update(metrics["reward"])
-            metrics["dropped"], dropped_logged = trainer.dropped_total - dropped_logged, trainer.dropped_total
-            metrics["dropped_total"] = trainer.dropped_total
+            metrics["dropped"], dropped_logged = dropped_total - dropped_logged, dropped_total
+            metrics["dropped_total"] = dropped_total
+            info = rollout.info
             perf = step3_throughput(
-                engine.actor.module.config, engine.critic.module.config, experience_time=timing["experience"],
-                generate_time=timing["generate"], train_time=train_time, sequences=timing["sequences"],
-                seq_length=args.max_prompt_seq_len + args.max_answer_seq_len, answer_length=args.max_answer_seq_len,
-                generated_tokens=timing["tokens"] // args.generation_batches,
+                engine.actor.module.config, engine.critic.module.config if engine.critic else None,
+                experience_time=info["experience"], generate_time=info["generate"], train_time=train_time,
+                sequences=info["sequences"], seq_length=args.max_prompt_seq_len + args.max_answer_seq_len,
+                answer_length=args.max_answer_seq_len,
+                generated_tokens=info["generated_tokens"] // args.generation_batches,
                 actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
                 world_size=get_world_size(), **perf_constants)
             history.append(metrics)
-            log.info(f"Epoch: {epoch} | Step: {ppo_step} | Actor Loss: {metrics['actor_loss']:.4f} | "
-                     f"Critic Loss: {metrics['critic_loss']:.4f} | Unsupervised Loss: {metrics['unsup_loss']:.4f} | "
-                     f"Average reward: {metrics['reward']:.4f} | EMA reward: {metrics['ema_reward']:.4f} | "
-                     f"KL: {metrics['kl']:.4f} | answer length: {metrics['answer_len']:.1f} | "
-                     f"dropped: {metrics['dropped']:.0f}")
-            if throughput_due(ppo_step, ppo_steps):
+            log.info(step_line(epoch, rl_step, metrics))
+            if throughput_due(rl_step, rl_steps):
                 for line in throughput_lines(perf):
                     log.info(line)
-            log.scalars(ppo_step, "train", **metrics, actor_lr=engine.actor.get_lr()[0],
-                        critic_lr=engine.critic.get_lr()[0],
+            lrs = {"actor_lr": engine.actor.get_lr()[0]}
+            if engine.critic is not None:
+                lrs["critic_lr"] = engine.critic.get_lr()[0]
+            log.scalars(rl_step, "train", **metrics, **lrs,
                         **{k: perf[k] for k in ("e2e_latency", "gen_latency", "train_latency", "e2e_tflops",
                                                 "gen_tflops", "train_tflops", "samples_per_sec",
                                                 "gen_tokens_per_sec")})
-            stats = timing = None
-            ckpt.step_done(ppo_step, engines, lambda: trainer_state(epoch, batch_in_epoch))
-            if args.max_steps and ppo_step >= args.max_steps:
+            ckpt.step_done(rl_step, engines, lambda: trainer_state(epoch, batch_in_epoch))
+            if args.max_steps and rl_step >= args.max_steps:
                 break
 
     # ---- summary
     ref_unchanged = parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
-    result = {"steps": ppo_step, "dropped_total": trainer.dropped_total, "ref_unchanged": ref_unchanged}
+    result = {"steps": rl_step, "dropped_total": dropped_total, "ref_unchanged": ref_unchanged}
     if history:
         first, last = history[0], history[-1]
         n = head_tail_window(len(history))  # the summary's rule: one reward pair in the log and the summary
         head, tail = (sum(m["reward"] for m in part) / n for part in (history[:n], history[-n:]))
         log.info(f"average reward: mean of the first {n} steps {head:.4f} -> of the last {n} steps {tail:.4f}")
-        log.info(f"mean KL to the reference at the last step: {last['kl']:.4f}; reference model unchanged: "
-                 f"{ref_unchanged}")
+        log.info(f"mean KL to the reference at the last step (k3 estimate): {last['kl']:.4f}; reference model "
+                 f"unchanged: {ref_unchanged}")
         result.update(reward_start=first["reward"], reward_end=last["reward"], reward_ema=last["ema_reward"],
-                      reward_start_mean=head, reward_end_mean=tail,
-                      kl_end=last["kl"], actor_loss=last["actor_loss"], critic_loss=last["critic_loss"],
-                      unsup_loss=last["unsup_loss"])
+                      reward_start_mean=head, reward_end_mean=tail, kl_end=last["kl"],
+                      **{k: last[k] for k in ("actor_loss", "critic_loss", "kl_loss", "unsup_loss") if k in last})
     else:
-        log.warning("no PPO step ran (every generated answer was dropped); the models are unchanged")
-    log.scalars(ppo_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=trainer.dropped_total,
+        log.warning("no RL step ran (every generated answer was dropped); the models are unchanged")
+    log.scalars(rl_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=dropped_total,
                 reward_start=result.get("reward_start"), reward_end=result.get("reward_end"),
                 reward_start_mean=result.get("reward_start_mean"), reward_end_mean=result.get("reward_end_mean"))
 
     # ---- save
     if args.output_dir is not None:
-        log.info(f"saving actor/, critic/{' and actor_ema/' if engine.actor_ema else ''} to {args.output_dir}")
+        saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
+        log.info(f"saving {', '.join(saved)} to {args.output_dir}")
         save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage)
-        save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
+        if engine.critic is not None:
+            save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"),
+                              args.critic_zero_stage)
         if engine.actor_ema is not None:
             save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
                            args.actor_zero_stage)

@@ -1,86 +1,138 @@
-"""PPO for RLHF: generate experience with the actor, then train actor and critic on it.
+"""Step 3's RL trainer: generate answers, score them, estimate advantages, optimise the actor (and the critic).
 
-All math comes from :mod:`utils.rl_math`; this module only moves tensors between the
-models. Shapes: ``B`` sequences, prompt length ``P`` (left padded), answer length ``A``
-(``--max_answer_seq_len``), ``T = P + A``; per-action tensors have ``T − 1`` columns
-(action ``t`` emits token ``t + 1``, the first answer action is ``start = P − 1``).
+One round of step 3 is four calls, each on the whole round's :class:`Rollout`::
 
-One experience (a dict of batch-first tensors, so :class:`MiniDataset` can slice it):
+    rollout = trainer.generate(prompts, mask, prompt_text, rows)   # answers, log π_old, log π_ref (, V_old)
+    rollout.scores = trainer.score(rollout)                       # reward model and/or reward function
+    trainer.compute_advantages(rollout)                            # --advantage_estimator, groups intact
+    losses = trainer.train_step(micro) for micro in rollout.micro_batches(...)   # actor (+ critic for gae)
 
-=================  =========  ================================================================
-key                shape      meaning
-=================  =========  ================================================================
-prompts            [B, P]     the left-padded prompts
-input_ids          [B, T]     prompt + answer, right padded with the pad id
-attention_mask     [B, T]     prompt mask from the collator + the answer up to its first EOS
-action_mask        [B, T−1]   1 for answer actions incl. the EOS action; 0 for dropped rows
-logprobs           [B, T−1]   log π_old(action) (actor, no dropout, at generation time)
-ref_logprobs       [B, T−1]   log π_ref(action)
-value              [B, T−1]   critic values V_old of the state before each action
-rewards            [B]        reward-model score of the answer
-valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
-answer_len         [B]        real answer tokens (before the first EOS)
-=================  =========  ================================================================
+All math comes from :mod:`utils.rl_math`; this module only moves tensors between the models.
+Shapes: ``B`` answers (``--n_samples_per_prompt`` G per prompt, next to each other), prompt
+length ``P`` (left padded), answer length ``A`` (``--max_answer_seq_len``), ``T = P + A``;
+per-action tensors have ``T − 1`` columns (action ``t`` emits token ``t + 1``; the first answer
+action is ``start = P − 1``). Masks: 1 = counts.
 
-Dropped answers stay in the batch with an all-zero action mask: they add nothing to
-any loss or statistic, and every rank keeps the same number of micro-batches.
+Dropped answers (≤ 1 real token) stay in the rollout with an all-zero action mask: they add
+nothing to any loss, statistic or group baseline, and every rank keeps the same number of
+micro-batches.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
 
 import torch
 
-from utils.rl_math import (actor_loss, answer_action_mask, approx_kl, causal_lm_loss, count_real_answer_tokens,
-                           critic_loss, ema_update, gae_advantages_and_returns, gather_log_probs,
-                           kl_penalized_rewards, sequence_action_mask)
 from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, answer_action_mask, approx_kl, causal_lm_loss,
+                           count_real_answer_tokens, critic_loss, discounted_returns, ema_update,
+                           gae_advantages_and_returns, gather_log_probs, kl_loss, kl_penalized_rewards,
+                           masked_whiten, sequence_action_mask)
 
 
-class MiniDataset:
-    """Collects ``max_size`` large batches, then cuts them into micro-batches of ``small_batch_size``.
+@dataclass
+class Rollout:
+    """The experience of one round (or a micro-batch of it): batch-first tensors ``[B, …]`` and lists of ``B``.
 
-    ``add(batch)`` returns None until the ``max_size``-th batch arrives, then the list of
-    micro-batches (and empties itself). A batch is a dict / list / tuple of batch-first
-    tensors (or lists), or a single tensor.
+    =================  =========  ================================================================
+    field              shape      meaning
+    =================  =========  ================================================================
+    prompts            [B, P]     the left-padded prompts (each repeated G times)
+    input_ids          [B, T]     prompt + answer, right padded with the pad id
+    attention_mask     [B, T]     prompt mask from the collator + the answer up to its first end token
+    action_mask        [B, T−1]   1 for answer actions incl. the end token's; 0 for dropped rows
+    logprobs           [B, T−1]   log π_old(action) (actor without dropout, at generation time)
+    ref_logprobs       [B, T−1]   log π_ref(action)
+    valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
+    answer_len         [B]        real answer tokens (before the first end token)
+    prompt_text, rows  lists      each answer's prompt text and dataset row (reward functions)
+    answers            list       the decoded answers (reward functions, --print_answers)
+    values             [B, T−1]   critic values V_old of the state before each action (gae only)
+    scores             [B]        the answer's reward (:meth:`DeepSpeedPPOTrainer.score`)
+    advantages         [B, T−1]   per-action advantages (0 outside the action mask)
+    returns            [B, T−1]   GAE returns, the critic's targets (gae only)
+    =================  =========  ================================================================
+
+    ``group_size`` G: rows ``g·G … g·G + G − 1`` answer the same prompt. ``info`` holds per-round counts and
+    timings (seconds; summed by :meth:`cat`): generate, experience, generated_tokens, sequences, dropped.
     """
+    prompts: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    valid: torch.Tensor
+    answer_len: torch.Tensor
+    prompt_text: List[str] = field(default_factory=list)
+    rows: List[dict] = field(default_factory=list)
+    answers: List[str] = field(default_factory=list)
+    values: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+    group_size: int = 1
+    info: dict = field(default_factory=dict)
 
-    def __init__(self, max_size: int, small_batch_size: int):
-        self.dataset = []
-        self.max_size = max_size
-        self.small_batch_size = small_batch_size
+    LISTS = ("prompt_text", "rows", "answers")
 
-    @staticmethod
-    def _size(batch) -> int:
-        if isinstance(batch, dict):
-            return len(next(iter(batch.values())))
-        if isinstance(batch, (list, tuple)):
-            return len(batch[0])
-        return len(batch)
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
 
-    def _slice(self, batch, i: int):
-        s = slice(i, i + self.small_batch_size)
-        if isinstance(batch, dict):
-            return {k: v[s] for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            return [x[s] for x in batch]
-        return batch[s]
+    @property
+    def start(self) -> int:
+        """The first answer action, ``P − 1``."""
+        return self.prompts.shape[1] - 1
 
-    def separate(self) -> list:
-        small = [self._slice(batch, i) for batch in self.dataset
-                 for i in range(0, self._size(batch), self.small_batch_size)]
-        self.free()
-        return small
+    def _batch_fields(self):
+        return [f.name for f in fields(self) if f.name not in ("group_size", "info")]
 
-    def add(self, data):
-        if len(self.dataset) >= self.max_size:
-            raise ValueError("MiniDataset is full: separate() should have emptied it")
-        self.dataset.append(data)
-        return self.separate() if len(self.dataset) == self.max_size else None
+    def micro_batches(self, size: int) -> List["Rollout"]:
+        """Consecutive slices of ``size`` rows (the last may be shorter)."""
+        out = []
+        for i in range(0, len(self), size):
+            parts = {name: (value[i:i + size] if value is not None else None)
+                     for name in self._batch_fields() for value in [getattr(self, name)]}
+            out.append(Rollout(**parts, group_size=self.group_size, info={}))
+        return out
 
-    def free(self) -> None:
-        self.dataset = []
+    @classmethod
+    def cat(cls, rollouts: List["Rollout"]) -> "Rollout":
+        """One rollout of several (same prompt and answer lengths, same fields filled); ``info`` summed."""
+        first = rollouts[0]
+        parts = {}
+        for name in first._batch_fields():
+            values = [getattr(r, name) for r in rollouts]
+            if values[0] is None:
+                parts[name] = None
+            elif name in cls.LISTS:
+                parts[name] = [x for v in values for x in v]
+            else:
+                parts[name] = torch.cat(values, dim=0)
+        info = {}
+        for r in rollouts:
+            for key, value in r.info.items():
+                info[key] = info.get(key, 0) + value
+        return cls(**parts, group_size=first.group_size, info=info)
+
+    def state(self) -> dict:
+        """Plain tensors, lists and numbers (a checkpoint loads it with ``weights_only=True``)."""
+        return {name: getattr(self, name) for name in self._batch_fields() + ["group_size", "info"]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Rollout":
+        return cls(**state)
+
+
+def cut_batches(batches: List[dict], size: int) -> List[dict]:
+    """Batches (dicts of batch-first tensors) concatenated and cut into consecutive micro-batches of ``size`` rows
+    (the last may be shorter): the unsupervised text of a round, paired one to one with the rollout's."""
+    whole = {key: torch.cat([b[key] for b in batches], dim=0) for key in batches[0]}
+    rows = next(iter(whole.values())).shape[0]
+    return [{key: value[i:i + size] for key, value in whole.items()} for i in range(0, rows, size)]
 
 
 class ExponentialMovingAverage:
@@ -95,7 +147,6 @@ class ExponentialMovingAverage:
         return self.ema
 
 
-
 @contextlib.contextmanager
 def deterministic(*modules):
     """Put ``modules`` in eval mode (no dropout) for the block, then restore their modes.
@@ -104,6 +155,7 @@ def deterministic(*modules):
     engine uses its training modules, as in the reference) while dropout is off, so
     log π_old and V_old are exact.
     """
+    modules = [m for m in modules if m is not None]
     modes = [m.training for m in modules]
     for m in modules:
         m.eval()
@@ -122,32 +174,38 @@ def pad_to_length(seq: torch.Tensor, length: int, pad_token_id: int) -> torch.Te
     return torch.cat([seq, pad], dim=1)
 
 
-def summarize_experience(exp: dict) -> dict:
-    """Per-rank sums for logging: kept rows, and reward, KL and answer-length sums over kept rows."""
-    valid = exp["valid"].float()
-    kl = approx_kl(exp["logprobs"], exp["ref_logprobs"], exp["action_mask"])
-    return {"kept": valid.sum(), "reward_sum": (exp["rewards"].float() * valid).sum(),
-            "kl_sum": (kl.float() * valid).sum(), "answer_len_sum": (exp["answer_len"].float() * valid).sum()}
+def summarize_rollout(rollout: Rollout) -> dict:
+    """Per-rank sums over kept answers for logging: count, reward, KL (k3: never negative) and answer length."""
+    valid = rollout.valid.float()
+    kl = approx_kl(rollout.logprobs, rollout.ref_logprobs, rollout.action_mask, "k3")
+    return {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
+            "kl_sum": (kl.float() * valid).sum(), "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
 
 
 class DeepSpeedPPOTrainer:
-    """PPO on a :class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine` (or anything with the same fields).
+    """RL on a :class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine` (or anything with the same fields):
+    PPO with a critic (``gae``) or a critic-free estimator (module docstring).
 
     ``ppo`` (:class:`~step3_rlhf_finetuning.config.PPOConfig`) holds the update's constants, ``generation``
-    (:class:`~step3_rlhf_finetuning.config.GenerationConfig`) how answers are generated.
+    (:class:`~step3_rlhf_finetuning.config.GenerationConfig`) how answers are generated, ``reward``
+    (:class:`~step3_rlhf_finetuning.config.RewardConfig`) where scores come from; ``reward_fn`` is the loaded
+    ``--reward_fn`` (:func:`utils.reward_functions.load_reward_fn`).
     """
 
-    def __init__(self, rlhf_engine, ppo, generation, log=None):
+    def __init__(self, rlhf_engine, ppo, generation, log=None, reward=None, reward_fn=None):
+        from step3_rlhf_finetuning.config import RewardConfig
         from utils.distributed import print_rank_0
 
         self.log = log or print_rank_0  # main passes its TrainLogger's info
         self.rlhf_engine = rlhf_engine
         self.actor_model = rlhf_engine.actor
-        self.critic_model = rlhf_engine.critic
+        self.critic_model = rlhf_engine.critic  # None for the critic-free estimators
         self.ref_model = rlhf_engine.ref
-        self.reward_model = rlhf_engine.reward
+        self.reward_model = rlhf_engine.reward  # None when a reward function alone scores
         self.tokenizer = rlhf_engine.tokenizer
         self.ppo = ppo
+        self.reward = reward or RewardConfig()
+        self.reward_fn = reward_fn
         self.generation = generation
         self.max_answer_seq_len = generation.max_answer_seq_len
         self.pad_token_id = self.tokenizer.pad_token_id
@@ -159,12 +217,8 @@ class DeepSpeedPPOTrainer:
         self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = generation.logprob_temperature
-        self.dropped_total = 0  # answers dropped so far, all ranks
-        # timing of the last generate_experience call (seconds; tokens actually generated per row)
-        self.generate_time = self.experience_time = 0.0
-        self.generated_tokens = 0
 
-    # ------------------------------------------------------------------ experience
+    # ------------------------------------------------------------------ generate
 
     def _make_generator(self, requested: str):
         """The actor's generation path, chosen once (and said once): DeepSpeed's hybrid engine when it is
@@ -185,8 +239,8 @@ class DeepSpeedPPOTrainer:
                                self.end_token_ids, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
-    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id."""
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> tuple:
+        """(``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id; tokens generated)."""
         gen = self.generation
         with torch.no_grad():
             if self.generator is not None:
@@ -202,52 +256,63 @@ class DeepSpeedPPOTrainer:
                     kwargs.update(temperature=None, top_k=None, top_p=None)
                 # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
                 seq = self.actor_model.module.generate(prompts, **kwargs)
-        self.generated_tokens = seq.shape[1] - prompts.shape[1]
-        return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id)
+        generated = seq.shape[1] - prompts.shape[1]
+        return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id), generated
 
     def _print_answers(self, prompts, answers, step: int) -> None:
         gen = self.generation
         if gen.print_answers and step % max(gen.print_answers_interval, 1) == 0:
-            decode = self.tokenizer.batch_decode
-            self.log(f"--- prompt --> step={step}, {decode(prompts, skip_special_tokens=True)}")
-            self.log(f"--- ans    --> step={step}, {decode(answers, skip_special_tokens=True)}")
+            self.log(f"--- prompt --> step={step}, {self.tokenizer.batch_decode(prompts, skip_special_tokens=True)}")
+            self.log(f"--- ans    --> step={step}, {answers}")
 
-    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int):
-        """Generate answers for ``prompts [B, P]`` and score them; the experience dict (module docstring).
+    def generate(self, prompts: torch.Tensor, mask: torch.Tensor, prompt_text=None, rows=None,
+                 step: int = 0) -> Rollout:
+        """``--n_samples_per_prompt`` answers to each of ``prompts [b, P]`` and their log-probs (and values).
 
-        Answers with ≤ 1 real token (before the first EOS) are dropped (masked out and
-        counted in ``self.dropped_total``). Returns None when every answer on every rank
-        was dropped: the caller skips the step.
+        Returns a :class:`Rollout` of ``B = b·G`` rows without scores. Answers with ≤ 1 real token (before
+        the first end token) are dropped (masked out); ``info["dropped"]`` counts them on every rank. When every
+        answer on every rank was dropped, ``info["kept"]`` is 0 and no log-prob was computed (the fields are
+        empty): the caller skips the round.
         """
         start = time.time()
+        G = self.ppo.n_samples_per_prompt
+        prompts, mask = prompts.repeat_interleave(G, dim=0), mask.repeat_interleave(G, dim=0)
+        prompt_text = [t for t in (prompt_text or [""] * (len(prompts) // G)) for _ in range(G)]
+        rows = [r for r in (rows or [{}] * (len(prompts) // G)) for _ in range(G)]
         self.eval()
-        seq = self._generate_sequence(prompts, mask)
-        self.generate_time = time.time() - start
+        seq, generated = self._generate_sequence(prompts, mask)
+        generate_time = time.time() - start
         self.train()
 
         P = prompts.shape[1]
-        answers = seq[:, P:]
+        answer_ids = seq[:, P:]
+        answer_len = count_real_answer_tokens(answer_ids, self.end_token_ids)
+        answers = [self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+                   for ids, n in zip(answer_ids.tolist(), answer_len.tolist())]
         self._print_answers(prompts, answers, step)
-        answer_len = count_real_answer_tokens(answers, self.end_token_ids)
         valid = (answer_len > 1).long()
         counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
         kept, dropped = (int(round(c)) for c in counts.tolist())
-        self.dropped_total += dropped
-        if kept == 0:  # the same on every rank: all skip the step
-            self.experience_time = time.time() - start
-            return None
-
-        attention_mask = torch.cat([mask.long(), answer_action_mask(answers, self.end_token_ids)], dim=1)
+        info = {"generate": generate_time, "generated_tokens": generated, "sequences": len(seq), "dropped": dropped,
+                "kept": kept}
+        attention_mask = torch.cat([mask.long(), answer_action_mask(answer_ids, self.end_token_ids)], dim=1)
         action_mask = sequence_action_mask(seq, P, self.end_token_ids) * valid[:, None]
-        with torch.no_grad(), deterministic(self.actor_model.module, self.critic_model.module):
-            logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
-            ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
-            reward = self.reward_model.forward_value(seq, attention_mask, prompt_length=P)["chosen_end_scores"]
-            values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-        self.experience_time = time.time() - start
-        return {"prompts": prompts, "input_ids": seq, "attention_mask": attention_mask, "action_mask": action_mask,
-                "logprobs": logprobs, "ref_logprobs": ref_logprobs, "value": values.float().detach(),
-                "rewards": reward.float().detach(), "valid": valid, "answer_len": answer_len}
+        empty = seq.new_zeros(len(seq), seq.shape[1] - 1).float()
+        rollout = Rollout(prompts=prompts, input_ids=seq, attention_mask=attention_mask, action_mask=action_mask,
+                          logprobs=empty, ref_logprobs=empty, valid=valid, answer_len=answer_len,
+                          prompt_text=prompt_text, rows=rows, answers=answers, group_size=G, info=info)
+        if kept == 0:  # the same on every rank: all skip the round
+            info["experience"] = time.time() - start
+            return rollout
+        with torch.no_grad(), deterministic(self.actor_model.module,
+                                            self.critic_model.module if self.critic_model else None):
+            rollout.logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
+            rollout.ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
+            if self.critic_model is not None:
+                values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+                rollout.values = values.float().detach()
+        info["experience"] = time.time() - start
+        return rollout
 
     def _action_log_probs(self, model, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B, T−1]`` log-probs of the taken actions ``seq[:, 1:]`` under ``model`` (at the sampling temperature)."""
@@ -256,39 +321,101 @@ class DeepSpeedPPOTrainer:
             logits = logits / self.temperature
         return gather_log_probs(logits[:, :-1], seq[:, 1:])
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ score
 
-    def compute_rewards(self, exp: dict) -> torch.Tensor:
-        """``[B, T−1]`` per-action rewards: −kl_ctl·(logπ_old − logπ_ref), clipped score on the last action."""
-        return kl_penalized_rewards(exp["logprobs"], exp["ref_logprobs"], exp["rewards"], exp["action_mask"],
-                                    self.ppo.kl_ctl, self.ppo.clip_reward_value)
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        """``[B]`` float32 rewards: the reward model's end score, the reward function's score, or
+        ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`)."""
+        from utils.reward_functions import call_reward_fn
 
-    def train_rlhf(self, inputs: dict):
-        """One PPO update of actor and critic on an experience micro-batch; returns (actor_loss, critic_loss)."""
-        ppo = self.ppo
-        seq, attention_mask, action_mask = inputs["input_ids"], inputs["attention_mask"], inputs["action_mask"]
-        start = inputs["prompts"].shape[1] - 1
-        old_values = inputs["value"]
+        start = time.time()
+        total = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
+        if self.reward_model is not None:
+            with torch.no_grad():
+                out = self.reward_model.forward_value(rollout.input_ids, rollout.attention_mask,
+                                                      prompt_length=rollout.prompts.shape[1])
+            total += out["chosen_end_scores"].float().detach()
+        if self.reward_fn is not None:
+            scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)
+            weight = 1.0 if self.reward.fn_weight is None else self.reward.fn_weight
+            total += weight * torch.tensor(scores, dtype=torch.float32, device=total.device)
+        rollout.info["experience"] = rollout.info.get("experience", 0.0) + time.time() - start
+        return total
+
+    # ------------------------------------------------------------------ advantages
+
+    def compute_advantages(self, rollout: Rollout) -> None:
+        """Fill ``rollout.advantages`` (and, for ``gae``, ``returns``) on the whole round, so every group is intact.
+
+        * ``gae``: DeepSpeed-Chat's PPO — per-action rewards (KL penalty, clipped score on the last action),
+          GAE with the critic's values;
+        * critic-free: the clipped scores go through the estimator's per-answer function (group baselines,
+          :data:`utils.rl_math.SEQUENCE_ESTIMATORS`), land on the answer's last action with the KL penalties
+          (unless ``--use_kl_loss``), are summed into discounted returns, and are whitened over the batch of
+          every rank for ``reinforce`` / ``reinforce_baseline``.
+        """
+        ppo, mask = self.ppo, rollout.action_mask
+        kl_ctl = 0.0 if ppo.use_kl_loss else ppo.kl_ctl
         with torch.no_grad():
-            rewards = self.compute_rewards(inputs)
-            advantages, returns = gae_advantages_and_returns(old_values, rewards, action_mask, ppo.gamma, ppo.lam,
-                                                             start)
-        mask = action_mask[:, start:]
+            if ppo.uses_critic:
+                start = rollout.start
+                rewards = kl_penalized_rewards(rollout.logprobs, rollout.ref_logprobs, rollout.scores, mask, kl_ctl,
+                                               ppo.clip_reward_value, ppo.kl_estimator)
+                advantages, returns = gae_advantages_and_returns(rollout.values, rewards, mask, ppo.gamma, ppo.lam,
+                                                                 start)
+                rollout.advantages = torch.cat([advantages.new_zeros(len(rollout), start), advantages], dim=1)
+                rollout.returns = torch.cat([returns.new_zeros(len(rollout), start), returns], dim=1)
+                return
+            estimate, whiten = SEQUENCE_ESTIMATORS[ppo.advantage_estimator]
+            clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
+            per_answer = estimate(clipped, rollout.group_size, rollout.valid)
+            rewards = kl_penalized_rewards(rollout.logprobs, rollout.ref_logprobs, per_answer, mask, kl_ctl,
+                                           float("inf"), ppo.kl_estimator)
+            advantages = discounted_returns(rewards, mask, ppo.gamma)
+            if whiten:
+                reduce = None
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    reduce = torch.distributed.all_reduce
+                advantages = masked_whiten(advantages, mask, reduce)
+            rollout.advantages = advantages
 
-        logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
-        policy_loss = actor_loss(logprobs[:, start:], inputs["logprobs"][:, start:], advantages, mask, ppo.cliprange)
-        self.actor_model.backward(policy_loss)
+    # ------------------------------------------------------------------ optimise
+
+    def _loss_normalizer(self, micro: Rollout) -> Optional[float]:
+        """Dr. GRPO's constant: rows × ``--max_answer_seq_len``; every other estimator: the token mean (None)."""
+        return len(micro) * self.max_answer_seq_len if self.ppo.advantage_estimator == "dr_grpo" else None
+
+    def train_step(self, micro: Rollout) -> dict:
+        """One update of the actor (and, for ``gae``, the critic) on a micro-batch of a scored rollout with
+        advantages; returns the losses (detached scalars): ``actor_loss``, ``critic_loss`` (gae), ``kl_loss``
+        (``--use_kl_loss``)."""
+        ppo, mask = self.ppo, micro.action_mask
+        normalizer = self._loss_normalizer(micro)
+        logprobs = self._action_log_probs(self.actor_model, micro.input_ids, micro.attention_mask)
+        policy_loss = actor_loss(logprobs, micro.logprobs, micro.advantages, mask, ppo.cliprange, normalizer)
+        losses = {"actor_loss": policy_loss.detach()}
+        loss = policy_loss
+        if ppo.use_kl_loss:
+            kl = kl_loss(logprobs, micro.ref_logprobs, mask, ppo.kl_estimator, normalizer)
+            loss = loss + ppo.kl_ctl * kl
+            losses["kl_loss"] = kl.detach()
+        self.actor_model.backward(loss)
+        if self.critic_model is None:
+            self.actor_model.step()
+            return losses
         if not ppo.align_overflow:
             self.actor_model.step()
 
-        values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-        value_loss = critic_loss(values[:, start:], old_values[:, start:], returns, mask, ppo.cliprange_value)
+        values = self.critic_model.forward_value(micro.input_ids, micro.attention_mask,
+                                                 return_value_only=True)[:, :-1]
+        value_loss = critic_loss(values, micro.values, micro.returns, mask, ppo.cliprange_value)
         self.critic_model.backward(value_loss)
         if ppo.align_overflow:
             self._align_overflow()
             self.actor_model.step()
         self.critic_model.step()
-        return policy_loss.detach(), value_loss.detach()
+        losses["critic_loss"] = value_loss.detach()
+        return losses
 
     def _align_overflow(self) -> None:
         """fp16: skip both optimizer steps when either model's gradients overflowed (``--align_overflow``)."""
@@ -300,7 +427,17 @@ class DeepSpeedPPOTrainer:
             self.actor_model.optimizer.skip_step = True
         if actor_overflow or critic_overflow:
             self.log(f"OVERFLOW (actor: {actor_overflow}, critic: {critic_overflow}): "
-                         "skipping both actor and critic steps")
+                     "skipping both actor and critic steps")
+
+    def train_unsupervised(self, inputs: dict) -> torch.Tensor:
+        """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}`` (InstructGPT's PPO-ptx),
+        weighted by ``ppo.unsup_coef``; returns the (unscaled) loss."""
+        logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                  use_cache=False).logits
+        loss = causal_lm_loss(logits, inputs["labels"])
+        self.actor_model.backward(self.ppo.unsup_coef * loss)
+        self.actor_model.step()
+        return loss.detach()
 
     def update_ema(self) -> None:
         """θ_ema ← β·θ_ema + (1−β)·θ_actor with β = ``ppo.ema_beta`` (ZeRO-3 parameters gathered, update kept)."""
@@ -321,26 +458,14 @@ class DeepSpeedPPOTrainer:
                 ema_update([ema_param], [param], beta)
 
     def train(self) -> None:
-        self.actor_model.train()
-        self.critic_model.train()
+        for model in (self.actor_model, self.critic_model):
+            if model is not None:
+                model.train()
 
     def eval(self) -> None:
         for model in (self.actor_model, self.critic_model, self.ref_model, self.reward_model):
-            model.eval()
-
-
-class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
-    """PPO plus the actor's LM loss on unsupervised text (``--unsupervised_dataset_name``)."""
-
-    def train_unsupervised(self, inputs: dict) -> torch.Tensor:
-        """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}``, weighted by
-        ``ppo.unsup_coef``; returns the (unscaled) loss."""
-        logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                  use_cache=False).logits
-        loss = causal_lm_loss(logits, inputs["labels"])
-        self.actor_model.backward(self.ppo.unsup_coef * loss)
-        self.actor_model.step()
-        return loss.detach()
+            if model is not None:
+                model.eval()
 
 
 # ---------------------------------------------------------------------- helpers
@@ -358,3 +483,7 @@ def end_of_answer_token_ids(tokenizer, eot_token: str | None = None) -> tuple:
         if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id and int(ids[0]) != eos:
             return (int(ids[0]), eos)
     return (eos,)
+
+
+# DeepSpeed-Chat's name for the trainer with unsupervised (PTX) mixing: one class does both here
+DeepSpeedPPOTrainerUnsupervised = DeepSpeedPPOTrainer

@@ -1,4 +1,4 @@
-"""The five models of PPO, each wrapped in a DeepSpeed engine.
+"""The models of step 3, each wrapped in a DeepSpeed engine (five for PPO; three or four critic-free).
 
 ==========  ======================  =========================================================
 model       built from              engine
@@ -8,9 +8,10 @@ actor       step-1 folder           train: ``--actor_zero_stage``, ``--offload``
 ref         step-1 folder           eval: ZeRO 3 iff the actor's is 3, else 0;
                                     ``--offload_reference_model``
 actor_ema   step-1 folder           eval, like ref (``--enable_ema``); LoRA like the actor
-critic      step-2 folder           train: ``--critic_zero_stage``, ``--offload``
-reward      step-2 folder           eval: ZeRO 3 iff the critic's is 3, else 0;
-                                    ``--offload_reward_model``
+critic      step-2 folder           train: ``--critic_zero_stage``, ``--offload``; PPO (``gae``) only
+reward      step-2 folder           eval: ZeRO 3 iff the critic's (critic-free: the actor's) is 3,
+                                    else 0; ``--offload_reward_model``; absent when a reward
+                                    function alone scores the answers (``--reward_fn``)
 ==========  ======================  =========================================================
 
 With unsupervised mixing the actor accumulates twice as many micro-batches per
@@ -89,9 +90,9 @@ def hybrid_engine_support(model) -> tuple[bool, str]:
 
 
 class DeepSpeedRLHFEngine:
-    """Builds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic`` and ``reward`` engines (see module docstring)
-    from an :class:`~step3_rlhf_finetuning.config.EngineConfig`; ``num_total_iters`` is the length of both
-    learning-rate schedules."""
+    """Builds ``actor``, ``ref``, ``actor_ema``, ``critic`` and ``reward`` engines (see module docstring; the last
+    three None when not used) from an :class:`~step3_rlhf_finetuning.config.EngineConfig`; ``num_total_iters`` is
+    the length of the learning-rate schedules."""
 
     def __init__(self, config, tokenizer, num_total_iters: int):
         self.config = config
@@ -101,8 +102,8 @@ class DeepSpeedRLHFEngine:
         self.actor = self._init_actor()
         self.ref = self._init_frozen_actor("ref", lora=False)
         self.actor_ema = self._init_frozen_actor("EMA", lora=True) if config.enable_ema else None
-        self.critic = self._init_critic()
-        self.reward = self._init_reward()
+        self.critic = self._init_critic() if config.critic is not None else None
+        self.reward = self._init_reward() if config.reward_model is not None else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -192,11 +193,11 @@ class DeepSpeedRLHFEngine:
     def _init_reward(self):
         from utils.model.critic import create_critic_model
 
-        start, config, critic = _log_init("reward"), self.config, self.config.critic
-        ds_config = self._frozen_config(critic)
-        model = create_critic_model(critic.model_name_or_path, self.tokenizer, ds_config,
-                                    config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
-                                    zero_stage=frozen_stage(critic.zero_stage),
+        start, config, reward = _log_init("reward"), self.config, self.config.reward_model
+        ds_config = frozen_ds_config(config.dtype, reward.zero_stage, reward.offload, config.micro_batch, 1)
+        model = create_critic_model(reward.model_name_or_path, self.tokenizer, ds_config,
+                                    config.num_padding_at_beginning, rlhf_training=True, dropout=reward.dropout,
+                                    zero_stage=frozen_stage(reward.zero_stage),
                                     trust_remote_code=config.trust_remote_code)
         engine = make_engine(model, ds_config)
         _log_init("reward", start)

@@ -45,6 +45,10 @@ CHAT = "chat.py"
 TINY = ["--model_name_or_path", "tiny-opt", "--max_seq_len", "64", "--data_path", "builtin/preference-small"]
 STEP3_MODELS = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "{rm}",
                 "--data_path", "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8"]
+# critic-free step 3 of a random actor: 16 prompts x 2 answers
+GRPO = ["--actor_model_name_or_path", "tiny-opt", "--data_path", "builtin/preference-small", "--max_prompt_seq_len",
+        "16", "--max_answer_seq_len", "8", "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
+        "--do_sample", "--max_steps", "1"]
 ONE_AND_A_HALF_MB = 1_500_000
 
 # name: (entry point, arguments, files to write {name: text}, fragments of the error line, options)
@@ -111,6 +115,34 @@ CLI_CASES = {
     "finished_output_dir": (STEP1, [*TINY], {}, ["--output_dir", "already holds a finished run", "--overwrite"],
                             {"copy": {"out": ("tiny-opt", None)}, "keep_out": True, "untouched": True}),
     "overwrite_and_resume": (STEP2, [*TINY, "--overwrite", "--resume"], {}, ["--overwrite", "--resume"], {}),
+    # critic-free RL and reward functions (issue 22): refused up front, or at the first scoring (nothing saved)
+    "group_estimator_with_one_answer": (STEP3, [*STEP3_MODELS, "--advantage_estimator", "grpo"], {},
+                                        ["--advantage_estimator grpo", "--n_samples_per_prompt ≥ 2 (got 1)"], {}),
+    "unknown_reward_fn": (STEP3, [*GRPO, "--reward_fn", "exact_match"], {},
+                          ["--reward_fn exact_match: unknown reward function", "builtin_rule, gsm8k"], {}),
+    "reward_fn_file_missing": (STEP3, [*GRPO, "--reward_fn", "{dir}/nowhere.py:score"], {},
+                               ["--reward_fn", "nowhere.py:score: no such file"], {}),
+    "reward_fn_not_defined": (STEP3, [*GRPO, "--reward_fn", "{dir}/r.py:score"],
+                              {"r.py": "def other(prompts, answers, rows):\n    return [0.0] * len(answers)\n"},
+                              ["r.py:score", "defines no 'score'"], {}),
+    "reward_fn_raises": (STEP3, [*GRPO, "--reward_fn", "{dir}/r.py:score"],
+                         {"r.py": "def score(prompts, answers, rows):\n    raise RuntimeError('boom')\n"},
+                         ["r.py:score raised RuntimeError: boom on row 0 (prompt"], {}),
+    "reward_fn_wrong_count": (STEP3, [*GRPO, "--reward_fn", "{dir}/r.py:score"],
+                              {"r.py": "def score(prompts, answers, rows):\n    return [1.0]\n"},
+                              ["r.py:score returned 1 scores for 32 answers"], {}),
+    "reward_fn_nan": (STEP3, [*GRPO, "--reward_fn", "{dir}/r.py:score"],
+                      {"r.py": "def score(prompts, answers, rows):\n    return [float('nan')] * len(answers)\n"},
+                      ["r.py:score returned nan for row 0", "scores must be finite"], {}),
+    "gsm8k_without_reference_answers": (STEP3, [*GRPO, "--reward_fn", "gsm8k"], {},
+                                        ["--reward_fn gsm8k", "have no reference answer ending in '#### <number>'"],
+                                        {}),
+    "reward_fn_with_a_critic_flag": (STEP3, [*GRPO, "--reward_fn", "builtin_rule", "--critic_learning_rate", "1e-4"],
+                                     {}, ["--critic_learning_rate would not be used", "grpo"], {}),
+    "critic_folder_without_critic_or_reward_model": (STEP3, [*GRPO, "--reward_fn", "builtin_rule",
+                                                             "--critic_model_name_or_path", "{rm}"], {},
+                                                     ["--critic_model_name_or_path", "would not be used",
+                                                      "--reward_fn_weight"], {}),
     # refused once the data are split (after model set-up, before training): a 40-row file has no phase-1 eval rows
     "empty_eval_split": (STEP1, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/forty.jsonl"],
                          {"forty.jsonl": FORTY_ROWS}, ["forty.jsonl", "phase-1 eval split is empty", "perplexity"],

@@ -116,7 +116,7 @@ def test_phase3_prompts_dropped_over_limit_and_left_padded(tmp_path, tok):
     too_long = sum(n > limit for n in lengths)
     assert 0 < too_long < len(rows)  # the limit bites, but not everywhere
     assert len(train) == len(rows) - too_long
-    assert sorted(len(s) for s in train.samples) == sorted(n for n in lengths if n <= limit)
+    assert sorted(len(s["input_ids"]) for s in train.samples) == sorted(n for n in lengths if n <= limit)
     assert train.stats["skipped"] == {f"prompt longer than {limit} tokens": too_long}
     assert any(f"phase 3 train: kept {len(train)} rows, skipped {too_long} × prompt longer than {limit} tokens" in m
                for m in logs)
@@ -124,15 +124,36 @@ def test_phase3_prompts_dropped_over_limit_and_left_padded(tmp_path, tok):
     samples = train.samples[:5]
     batch = du.DataCollatorRLHF(limit, tok.pad_token_id)(samples)
     assert batch["prompt"].shape == batch["prompt_att_mask"].shape == (5, limit)  # exactly the limit
-    for i, s in enumerate(samples):
+    for i, sample in enumerate(samples):
+        s = sample["input_ids"]
         assert batch["prompt"][i, limit - len(s):].tolist() == s.tolist()
         assert batch["prompt_att_mask"][i].tolist() == [0] * (limit - len(s)) + [1] * len(s)
+        # the prompt's text and its dataset row travel with it, for reward functions
+        assert list(ids(tok, batch["prompt_text"][i])) == s.tolist()
+        row = batch["rows"][i]
+        assert row["prompt"] == batch["prompt_text"][i] and row["reference_answer"] == row["chosen"]
+        assert set(row) == {"prompt", "chosen", "rejected", "kind", "reference_answer"}
+
+
+def test_phase3_rows_carry_gsm8k_reference_answers(tmp_path, tok):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {n} + 1?", "answer": f"{n} + 1 = <<{n}+1>>.\n#### {n + 1}",
+                                        "meta": {"nested": True}}) + "\n" for n in range(40)))
+    train, _ = du.create_prompt_dataset(-1, [str(path)], "0,0,1", str(tmp_path / "cache"), 3, SEED, tok, 64)
+    for sample in train.samples:
+        row = sample["row"]
+        n = int(row["question"].split()[2])
+        assert row["reference_answer"].endswith(f"#### {n + 1}") and "meta" not in row  # plain fields only
+        assert sample["prompt"].endswith("Assistant:") and row["question"] in sample["prompt"]
 
 
 def test_rlhf_collator_hand_example():
     batch = du.DataCollatorRLHF(5, pad_token_id=9)([torch.tensor([1, 2, 3]), torch.tensor([4])])
     assert batch["prompt"].tolist() == [[9, 9, 1, 2, 3], [9, 9, 9, 9, 4]]
     assert batch["prompt_att_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1]]
+    assert batch["prompt_text"] == ["", ""] and batch["rows"] == [{}, {}]  # bare tensors: no text, no row
+    batch = du.DataCollatorRLHF(3, pad_token_id=9)([{"input_ids": torch.tensor([1, 2]), "prompt": "ab", "row": {"k": 1}}])
+    assert batch["prompt"].tolist() == [[9, 1, 2]] and batch["prompt_text"] == ["ab"] and batch["rows"] == [{"k": 1}]
 
 
 # --------------------------------------------------------------------------- sft-only data, 9:1 split

@@ -226,5 +226,5 @@ def test_trainer_generates_with_the_module_generate_under_an_active_hybrid_engin
     trainer = DeepSpeedPPOTrainer(engine, PPOConfig(), GenerationConfig(max_answer_seq_len=4))
     assert trainer.generation_backend == "hybrid-engine" and trainer.generator is None
     assert not hasattr(engine.actor, "generate")  # like the engine in the crash
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
-    assert exp["input_ids"][0].tolist()[:6] == [5, 6, 7, 3, 4, EOS]
+    exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    assert exp.input_ids[0].tolist()[:6] == [5, 6, 7, 3, 4, EOS]

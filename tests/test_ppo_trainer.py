@@ -2,8 +2,9 @@
 
 The math itself is tested in test_rl_math.py; here: that the trainer wires it
 correctly (masks, EOS with pad == eos, dropped answers, the PPO update's direction,
-the reference left alone, EMA), MiniDataset, the throughput numbers, the
-unsupervised text packing and step 3's up-front argument checks.
+the reference left alone, EMA, groups of answers, reward functions, the critic-free
+estimators), the rollout record, the throughput numbers, the unsupervised text packing
+and step 3's up-front argument checks.
 """
 import math
 from types import SimpleNamespace
@@ -13,10 +14,10 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig
+from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised, MiniDataset,
-                                               end_of_answer_token_ids, pad_to_length)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches, end_of_answer_token_ids,
+                                               pad_to_length)
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
 from utils.perf import step3_throughput, throughput_lines, transformer_flops
@@ -92,16 +93,33 @@ class FakeEngine(nn.Module):
         return 0
 
 
-def make_trainer(answers, scores, lr=0.5, ema=False, cls=DeepSpeedPPOTrainer, dropout=0.0, ema_beta=0.992,
-                 unsup_coef=27.8, **generation):
+def decode(ids, skip_special_tokens=True):
+    """The fake tokenizer's text of token ids: one letter per id (the EOS/pad id 2 is special)."""
+    return "".join("abcdefgh"[i] for i in ids if not (skip_special_tokens and i == EOS))
+
+
+def make_trainer(answers, scores, lr=0.5, ema=False, dropout=0.0, ema_beta=0.992, unsup_coef=27.8, critic=True,
+                 reward_model=True, reward=None, reward_fn=None, ppo=None, **generation):
     """A trainer on fake engines; ``generation`` overrides :class:`GenerationConfig` fields (answers ≤ 4 tokens)."""
-    tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None)
+    tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None, decode=decode,
+                                batch_decode=lambda rows, **kw: [decode(r, **kw) for r in rows])
     engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr),
-                             ref=FakeEngine(TinyLM()), critic=FakeEngine(FakeRewardModel(scores), lr=lr),
-                             reward=FakeEngine(FakeRewardModel(scores)),
+                             ref=FakeEngine(TinyLM()), critic=FakeEngine(FakeRewardModel(scores), lr=lr) if critic else None,
+                             reward=FakeEngine(FakeRewardModel(scores)) if reward_model else None,
                              actor_ema=FakeEngine(TinyLM(seed=1)) if ema else None, tokenizer=tokenizer)
-    ppo = PPOConfig(ema_beta=ema_beta, unsup_coef=unsup_coef)
-    return cls(engine, ppo, GenerationConfig(**{"max_answer_seq_len": 4, **generation})), engine
+    ppo = ppo or PPOConfig(ema_beta=ema_beta, unsup_coef=unsup_coef)
+    trainer = DeepSpeedPPOTrainer(engine, ppo, GenerationConfig(**{"max_answer_seq_len": 4, **generation}),
+                                  reward=reward, reward_fn=reward_fn)
+    return trainer, engine
+
+
+def make_rollout(trainer, prompts=None, mask=None, **kwargs):
+    """generate -> score -> advantages, as step 3's loop does for a round of one batch."""
+    rollout = trainer.generate(PROMPTS if prompts is None else prompts, PROMPT_MASK if mask is None else mask,
+                               step=1, **kwargs)
+    rollout.scores = trainer.score(rollout)
+    trainer.compute_advantages(rollout)
+    return rollout
 
 
 # prompts: P = 3, left padded (row 1 has one pad; its BOS-like first token 2 = pad is visible per the mask)
@@ -118,48 +136,47 @@ def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
     # output is padded to P + max_answer = 3 + 4 = 7.
     answers = [[3, 4, EOS], [3, EOS, PAD], [EOS, PAD, PAD]]
     trainer, engine = make_trainer(answers, scores=[1.0, 2.0, 3.0], dropout=0.5)
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     assert engine.actor.module.training  # back in train mode for PPO ...
 
-    assert exp["input_ids"].shape == (3, 7)
-    assert exp["input_ids"][0].tolist() == [5, 6, 7, 3, 4, EOS, PAD]
-    assert exp["valid"].tolist() == [1, 0, 0]
-    assert exp["answer_len"].tolist() == [2, 1, 0]
-    assert trainer.dropped_total == 2
+    assert exp.input_ids.shape == (3, 7)
+    assert exp.input_ids[0].tolist() == [5, 6, 7, 3, 4, EOS, PAD]
+    assert exp.valid.tolist() == [1, 0, 0]
+    assert exp.answer_len.tolist() == [2, 1, 0]
+    assert exp.answers == ["de", "d", ""]  # decoded up to the end token
+    assert exp.info["dropped"] == 2 and exp.info["kept"] == 1 and exp.info["sequences"] == 3
     # attention: the prompt mask as given + answer up to and including its first EOS (pad == eos!)
-    assert exp["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
+    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
     # actions t = P-1 = 2 … emit tokens 3 …; row 0 counts 3 (3), 4 (4) and EOS (5); dropped rows count nothing
-    assert exp["action_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0] * 6, [0] * 6]
+    assert exp.action_mask.tolist() == [[0, 0, 1, 1, 1, 0], [0] * 6, [0] * 6]
+    assert trainer.score(exp).tolist() == [1.0, 2.0, 3.0]
     assert engine.reward.module.seen_prompt_length == 3
-    assert exp["rewards"].tolist() == [1.0, 2.0, 3.0]
     kw = engine.actor.module.generate_kwargs
     assert kw["max_new_tokens"] == 4 and kw["pad_token_id"] == PAD and kw["eos_token_id"] == [EOS]
     assert kw["use_cache"] is True and kw["do_sample"] is False and kw["synced_gpus"] is False
     # ... but log π_old was computed without dropout (the model's deterministic eval-mode output)
     engine.actor.module.eval()
-    logits = engine.actor.module(exp["input_ids"]).logits
-    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp["input_ids"][:, 1:, None]).squeeze(-1)
-    assert_close(exp["logprobs"], expected)
+    logits = engine.actor.module(exp.input_ids).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
+    assert_close(exp.logprobs, expected)
 
 
 def test_a_batch_of_empty_answers_is_skipped_not_a_crash():
     trainer, _ = make_trainer([[EOS, PAD, PAD]] * 3, scores=[0.0] * 3)
-    assert trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1) is None
-    assert trainer.dropped_total == 3
-    assert trainer.generate_experience(PROMPTS, PROMPT_MASK, step=2) is None
-    assert trainer.dropped_total == 6  # a running count
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    assert rollout.info["kept"] == 0 and rollout.info["dropped"] == 3  # main skips the round
 
 
 def test_sampling_flags_reach_generate():
     trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, do_sample=True, temperature=0.7, top_k=5,
                                    top_p=0.9)
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     kw = engine.actor.module.generate_kwargs
     assert (kw["do_sample"], kw["temperature"], kw["top_k"], kw["top_p"]) == (True, 0.7, 5, 0.9)
     # log-probs of the distribution the answers were sampled from: logits / temperature
-    logits = engine.ref.module(exp["input_ids"]).logits / 0.7
-    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp["input_ids"][:, 1:, None]).squeeze(-1)
-    assert_close(exp["ref_logprobs"], expected)
+    logits = engine.ref.module(exp.input_ids).logits / 0.7
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
+    assert_close(exp.ref_logprobs, expected)
 
 
 # --------------------------------------------------------------------------- training
@@ -179,13 +196,14 @@ def test_ppo_update_moves_towards_rewarded_answers_and_leaves_the_reference_alon
     answers = [[3, 4, EOS]] * 3
     trainer, engine = make_trainer(answers, scores=[4.0, -1.0, 4.0], lr=0.5)
     ref_before = [p.detach().clone() for p in engine.ref.module.parameters()]
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
-    seq = exp["input_ids"]
+    exp = make_rollout(trainer)
+    seq = exp.input_ids
     before = answer_logprob(engine.actor.module, seq, 0, 4)  # action t = 4 emits EOS (index 5)
-    actor_loss, critic_loss = trainer.train_rlhf(exp)
+    losses = trainer.train_step(exp)
     after = answer_logprob(engine.actor.module, seq, 0, 4)
     assert after > before
-    assert math.isfinite(actor_loss.item()) and critic_loss.item() > 0
+    assert math.isfinite(losses["actor_loss"].item()) and losses["critic_loss"].item() > 0
+    assert "kl_loss" not in losses  # PPO: the KL penalty is in the reward
     for p, q in zip(engine.ref.module.parameters(), ref_before):
         assert torch.equal(p, q)
     # the critic learned towards the positive return at the EOS action's state (token 4's value)
@@ -194,35 +212,34 @@ def test_ppo_update_moves_towards_rewarded_answers_and_leaves_the_reference_alon
 
 def test_negative_scores_push_the_answer_down():
     trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[-4.0] * 3, lr=0.5)
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
-    before = answer_logprob(engine.actor.module, exp["input_ids"], 0, 4)
-    trainer.train_rlhf(exp)
-    assert answer_logprob(engine.actor.module, exp["input_ids"], 0, 4) < before
+    exp = make_rollout(trainer)
+    before = answer_logprob(engine.actor.module, exp.input_ids, 0, 4)
+    trainer.train_step(exp)
+    assert answer_logprob(engine.actor.module, exp.input_ids, 0, 4) < before
 
 
 def test_dropped_rows_give_no_gradient():
     # only row 0 is kept; its tokens never include 6 as an action target, and row 1/2 answers use token 1.
     answers = [[3, 4, EOS], [1, EOS, PAD], [EOS, PAD, PAD]]
     trainer, engine = make_trainer(answers, scores=[1.0, 100.0, 100.0], lr=0.0)
-    exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, step=1)
+    exp = make_rollout(trainer)
     engine.actor.optimizer = None
     engine.actor.step = lambda: None  # keep the gradient for inspection
     engine.critic.step = lambda: None
-    trainer.train_rlhf(exp)
+    trainer.train_step(exp)
     grad = engine.actor.module.head.weight.grad
     # the LM head row of token 1 (only a dropped row's answer) gets gradient only through the
     # softmax normaliser of row 0's actions — compare with a run where rows 1/2 are absent
     trainer2, engine2 = make_trainer([[3, 4, EOS]], scores=[1.0], lr=0.0)
-    exp2 = trainer2.generate_experience(PROMPTS[:1], PROMPT_MASK[:1], step=1)
+    exp2 = make_rollout(trainer2, PROMPTS[:1], PROMPT_MASK[:1])
     engine2.actor.step = lambda: None
     engine2.critic.step = lambda: None
-    trainer2.train_rlhf(exp2)
+    trainer2.train_step(exp2)
     assert_close(grad, engine2.actor.module.head.weight.grad)
 
 
 def test_unsupervised_step_is_the_lm_loss_times_the_coefficient():
-    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, lr=0.1, cls=DeepSpeedPPOTrainerUnsupervised,
-                                   unsup_coef=2.0)
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[0.0] * 3, lr=0.1, unsup_coef=2.0)
     ids = torch.tensor([[5, 6, 7, 3]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     logits = engine.actor.module(ids).logits
@@ -240,19 +257,102 @@ def test_ema_update_is_beta_weighted():
         assert_close(new.detach(), 0.9 * e + 0.1 * a)
 
 
+# --------------------------------------------------------------------------- groups, reward functions, critic-free
+
+
+def answer_is_de(prompts, answers, rows):
+    """A reward function: 1 for the answer "de" (tokens 3 4), else 0."""
+    return [float(a == "de") for a in answers]
+
+
+def test_a_prompts_answers_stay_together_as_one_group():
+    # 3 prompts x G = 2: the actor sees each prompt twice, next to each other
+    answers = [[3, 4, EOS], [3, 3, EOS], [4, 4, EOS], [3, 4, EOS], [3, 4, EOS], [4, 3, EOS]]
+    ppo = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2)
+    trainer, engine = make_trainer(answers, scores=[0.0] * 6, critic=False, reward_model=False,
+                                   reward=RewardConfig(fn="answer_is_de"), reward_fn=answer_is_de, ppo=ppo,
+                                   do_sample=True)
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, ["p0", "p1", "p2"], [{"i": 0}, {"i": 1}, {"i": 2}], step=1)
+    assert rollout.prompts.tolist() == PROMPTS.repeat_interleave(2, 0).tolist() and rollout.group_size == 2
+    assert rollout.prompt_text == ["p0", "p0", "p1", "p1", "p2", "p2"] and [r["i"] for r in rollout.rows] == [0, 0, 1, 1, 2, 2]
+    assert rollout.values is None  # no critic
+    rollout.scores = trainer.score(rollout)
+    assert rollout.scores.tolist() == [1, 0, 0, 1, 1, 0]
+    trainer.compute_advantages(rollout)
+    # each group has one right and one wrong answer: ±(0.5 / sqrt(0.5)) = ±0.7071 on every answer action
+    per_row = rollout.advantages.sum(1) / rollout.action_mask.sum(1)
+    assert_close(per_row, torch.tensor([1, -1, -1, 1, 1, -1]) * math.sqrt(0.5))
+    assert (rollout.advantages[rollout.action_mask == 0] == 0).all()
+
+    before = answer_logprob(engine.actor.module, rollout.input_ids, 0, 3)  # P(4 | prompt, 3): "de" over "dd"
+    losses = trainer.train_step(rollout)
+    assert set(losses) == {"actor_loss", "kl_loss"}  # GRPO: KL in the loss (k3), no critic
+    assert losses["kl_loss"].item() == pytest.approx(0.0, abs=1e-6)  # actor and reference start equal: k3 = 0
+    assert answer_logprob(engine.actor.module, rollout.input_ids, 0, 3) > before
+
+
+def test_reward_model_plus_weighted_reward_function():
+    trainer, _ = make_trainer([[3, 4, EOS], [4, 4, EOS], [3, 4, EOS]], scores=[1.0, 2.0, 3.0],
+                              reward=RewardConfig(fn="answer_is_de", fn_weight=0.5), reward_fn=answer_is_de)
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    assert trainer.score(rollout).tolist() == [1.5, 2.0, 3.5]
+
+
+def test_reward_function_errors_name_the_function_and_the_row():
+    def broken(prompts, answers, rows):
+        return [1.0 / (a != "ee") for a in answers]  # ZeroDivisionError on "ee"
+
+    trainer, _ = make_trainer([[3, 4, EOS], [4, 4, EOS], [3, 4, EOS]], scores=[0.0] * 3, reward_model=False,
+                              reward=RewardConfig(fn="my.py:broken"), reward_fn=broken)
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, ["q0", "q1", "q2"], step=1)
+    with pytest.raises(UserInputError, match=r"--reward_fn my.py:broken raised ZeroDivisionError: .* on row 1 "
+                                             r"\(prompt 'q1'\)"):
+        trainer.score(rollout)
+
+
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_baseline", "reinforce"])
+def test_each_critic_free_estimator_pushes_towards_the_rewarded_answer(estimator):
+    answers = [[3, 4, EOS], [3, 3, EOS]] * 3
+    ppo = PPOConfig(advantage_estimator=estimator, n_samples_per_prompt=2)
+    trainer, engine = make_trainer(answers, scores=[0.0] * 6, critic=False, reward_model=False,
+                                   reward=RewardConfig(fn="answer_is_de"), reward_fn=answer_is_de, ppo=ppo,
+                                   do_sample=True, lr=0.2)
+    rollout = make_rollout(trainer)
+    right, wrong = rollout.advantages[0].sum(), rollout.advantages[1].sum()
+    assert right > 0 > wrong, (estimator, rollout.advantages)
+    if estimator.startswith("reinforce"):  # whitened over the batch: mean 0, variance 1 over the counted tokens
+        counted = rollout.advantages[rollout.action_mask == 1]
+        assert counted.mean().abs() < 1e-5 and (counted.pow(2).mean() - 1).abs() < 1e-3
+    before = answer_logprob(engine.actor.module, rollout.input_ids, 0, 3)
+    losses = trainer.train_step(rollout)
+    assert "critic_loss" not in losses and ("kl_loss" in losses) == (estimator == "dr_grpo")
+    assert answer_logprob(engine.actor.module, rollout.input_ids, 0, 3) > before
+
+
 # --------------------------------------------------------------------------- pieces
 
 
-def test_mini_dataset_collects_then_cuts_micro_batches():
-    mini = MiniDataset(max_size=2, small_batch_size=3)
+def test_unsupervised_batches_are_cut_like_the_rollout():
     first = {"a": torch.arange(5), "b": torch.arange(5) * 10}
-    assert mini.add(first) is None
-    micro = mini.add({"a": torch.arange(2), "b": torch.arange(2)})
-    assert [m["a"].tolist() for m in micro] == [[0, 1, 2], [3, 4], [0, 1]]
-    assert micro[1]["b"].tolist() == [30, 40]
-    assert mini.dataset == []  # freed
-    lists = MiniDataset(1, 2).add([[None] * 3])
-    assert lists == [[[None, None]], [[None]]]
+    micro = cut_batches([first, {"a": torch.arange(2), "b": torch.arange(2)}], 3)
+    assert [m["a"].tolist() for m in micro] == [[0, 1, 2], [3, 4, 0], [1]]  # one round, cut across batches
+    assert micro[1]["b"].tolist() == [30, 40, 0]
+
+
+def test_rollout_cat_slices_and_checkpoint_state():
+    trainer, _ = make_trainer([[3, 4, EOS], [4, 3, EOS], [3, 3, EOS]], scores=[1.0, 2.0, 3.0])
+    a = make_rollout(trainer, prompt_text=["x", "y", "z"], rows=[{"i": 0}, {"i": 1}, {"i": 2}])
+    b = make_rollout(trainer)
+    both = Rollout.cat([a, b])
+    assert len(both) == 6 and both.prompt_text == ["x", "y", "z", "", "", ""] and both.rows[2] == {"i": 2}
+    assert both.info["sequences"] == 6 and both.info["generate"] == a.info["generate"] + b.info["generate"]
+    micro = both.micro_batches(4)
+    assert [len(m) for m in micro] == [4, 2] and torch.equal(micro[1].advantages, b.advantages[1:])
+    assert micro[0].values is not None and micro[0].answers == a.answers + b.answers[:1]
+    state = both.state()
+    assert all(torch.is_tensor(v) or isinstance(v, (list, dict, int)) for v in state.values())
+    again = Rollout.from_state(state)
+    assert torch.equal(again.input_ids, both.input_ids) and again.rows == both.rows
 
 
 def test_pad_to_length_and_end_token():

@@ -53,11 +53,13 @@ def step3_throughput(actor_config, critic_config, *, experience_time: float, gen
     ``sequences``: experiences generated (all generation batches); ``actor_train_samples``
     / ``critic_train_samples``: rows each model was trained on (× PPO epochs; the actor's
     count includes unsupervised rows — the reference used a batch of 2 there).
-    End-to-end time = experience time (generation + scoring) + training time.
+    End-to-end time = experience time (generation + scoring) + training time. ``critic_config`` None:
+    no critic (the critic-free estimators).
     """
     e2e_time = experience_time + train_time
-    train_flops = (transformer_flops(actor_config, actor_train_samples, seq_length, actor_factor)
-                   + transformer_flops(critic_config, critic_train_samples, seq_length, critic_factor))
+    train_flops = transformer_flops(actor_config, actor_train_samples, seq_length, actor_factor)
+    if critic_config is not None:
+        train_flops += transformer_flops(critic_config, critic_train_samples, seq_length, critic_factor)
     gen_flops = transformer_flops(actor_config, sequences, seq_length, 1)
     per_token = generate_time / max(generated_tokens, 1)
     tera = 1e12 * world_size

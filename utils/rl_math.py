@@ -1,4 +1,5 @@
-"""Pure tensor math for the RLHF pipeline: masks, log-probs, PPO, reward-model and DPO losses.
+"""Pure tensor math for the RLHF pipeline: masks, log-probs, PPO, critic-free advantage estimators
+(GRPO, Dr. GRPO, RLOO, REINFORCE++ and its baseline variant), KL estimators, reward-model and DPO losses.
 
 Everything here is a plain function of tensors (torch only, no DeepSpeed / transformers),
 so it can be unit-tested on tiny hand-made inputs.
@@ -17,6 +18,7 @@ Conventions used by every function
   ``pad_token_id == eos_token_id`` or not (fix of DeepSpeed-Chat #888 / #672).
 """
 
+import math
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,6 +39,17 @@ __all__ = [
     "actor_loss",
     "critic_loss",
     "approx_kl",
+    "kl_estimate",
+    "kl_loss",
+    "grpo_advantages",
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "reinforce_baseline_advantages",
+    "reinforce_advantages",
+    "KL_ESTIMATORS",
+    "SEQUENCE_ESTIMATORS",
+    "discounted_returns",
+    "masked_whiten",
     "causal_lm_loss",
     "ema_update",
     "pairwise_reward_loss",
@@ -228,10 +241,12 @@ def kl_penalized_rewards(
     action_mask: torch.Tensor,
     kl_ctl: float = 0.1,
     clip_reward_value: float = 5.0,
+    kl_estimator: str = "k1",
 ) -> torch.Tensor:
-    """Per-action PPO rewards: KL penalty everywhere, clipped score on the last action.
+    """Per-action rewards: KL penalty everywhere, clipped score on the last action.
 
-    ``r_t = -kl_ctl * (log_probs_t - ref_log_probs_t)`` at actions with mask 1 (0 elsewhere),
+    ``r_t = -kl_ctl * k_t`` at actions with mask 1 (0 elsewhere), ``k_t`` the per-token KL
+    estimate (:func:`kl_estimate`; ``k1 = log_probs_t - ref_log_probs_t``, DeepSpeed-Chat's),
     plus ``clip(reward_score, -c, c)`` at the last action with mask 1 — the EOS action if
     EOS was generated, else the final token's action (fix of DeepSpeed-Chat #672, which
     added it one position to the right). Rows with no counted action get nothing added.
@@ -241,13 +256,15 @@ def kl_penalized_rewards(
         ref_log_probs: ``[B, A]`` same under the reference model.
         reward_score: ``[B]`` reward-model score per sequence.
         action_mask: ``[B, A]``.
-        kl_ctl: KL coefficient.
-        clip_reward_value: ``c``.
+        kl_ctl: KL coefficient (0: no penalty).
+        clip_reward_value: ``c`` (``inf``: no clipping).
+        kl_estimator: ``k1``, ``k2`` or ``k3``.
 
     Returns:
         ``[B, A]`` rewards (dtype of ``log_probs``).
     """
-    rewards = _apply_mask(-kl_ctl * (log_probs - ref_log_probs), action_mask)
+    kl = kl_estimate(log_probs, ref_log_probs, kl_estimator).to(log_probs.dtype)
+    rewards = _apply_mask(-kl_ctl * kl, action_mask)
     last = last_action_index(action_mask)
     has_action = last >= 0
     score = reward_score.to(rewards.dtype).clamp(-clip_reward_value, clip_reward_value)
@@ -317,11 +334,14 @@ def actor_loss(
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
     cliprange: float = 0.2,
+    normalizer: Optional[float] = None,
 ) -> torch.Tensor:
-    """PPO clipped policy loss (computed in float32).
+    """PPO clipped policy loss (computed in float32); every estimator's policy loss.
 
-    ``ρ = exp((logπ − logπ_old) · m)``;
-    ``L = Σ max(−Â·ρ, −Â·clip(ρ, 1−c, 1+c)) · m / Σ m`` (0 when ``Σ m == 0``).
+    ``ρ = exp((logπ − logπ_old) · m)``, ``ℓ_t = max(−Â_t·ρ_t, −Â_t·clip(ρ_t, 1−c, 1+c))``;
+    ``L = Σ ℓ·m / Σ m`` (the token mean; 0 when ``Σ m == 0``), or ``Σ ℓ·m / normalizer`` when a
+    constant is given (Dr. GRPO: rows × the longest answer allowed, so a token weighs the same in
+    a long and a short answer).
 
     Args:
         log_probs: ``[B, A]`` current actor log-probs (carries the gradient).
@@ -329,6 +349,7 @@ def actor_loss(
         advantages: ``[B, A]``.
         action_mask: ``[B, A]``.
         cliprange: ``c``.
+        normalizer: ``None`` for the token mean, else the constant the token sum is divided by.
 
     Returns:
         Scalar float32 loss.
@@ -339,7 +360,16 @@ def actor_loss(
     adv = advantages.float()
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return masked_mean(torch.max(loss_unclipped, loss_clipped), m)
+    return _aggregate(torch.max(loss_unclipped, loss_clipped), m, normalizer)
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: Optional[float]) -> torch.Tensor:
+    """Token mean of ``per_token`` over ``mask``, or its masked sum divided by a constant ``normalizer``."""
+    if normalizer is None:
+        return masked_mean(per_token, mask)
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    return masked_sum(per_token, mask) / normalizer
 
 
 def critic_loss(
@@ -372,21 +402,227 @@ def critic_loss(
     return 0.5 * masked_mean(loss, action_mask)
 
 
-def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence KL estimate: mean over counted actions of ``logπ − logπ_ref``.
+def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, action_mask: torch.Tensor,
+              estimator: str = "k1") -> torch.Tensor:
+    """Per-sequence KL estimate: mean over counted actions of :func:`kl_estimate`.
 
-    This is the simple ``k1`` Monte-Carlo estimator of ``KL(π || π_ref)`` on the sampled
-    tokens (can be negative for a single sample). 0 for rows with no counted action.
+    ``k1`` (``logπ − logπ_ref``, the default) can be negative for a single sample; step 3 logs
+    ``k3``, which is unbiased and never negative. 0 for rows with no counted action.
 
     Args:
         log_probs: ``[B, A]``.
         ref_log_probs: ``[B, A]``.
         action_mask: ``[B, A]``.
+        estimator: ``k1``, ``k2`` or ``k3``.
 
     Returns:
         ``[B]``.
     """
-    return masked_mean(log_probs - ref_log_probs, action_mask, dim=1)
+    return masked_mean(kl_estimate(log_probs, ref_log_probs, estimator), action_mask, dim=1)
+
+
+# --------------------------------------------------------------------------- KL estimators
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_MAX_LOG_RATIO = 20.0  # k3 exponentiates the log-ratio: bounded so that an outlier token cannot give inf
+
+
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token Monte-Carlo estimate of ``KL(π || π_ref)`` on tokens sampled from ``π`` (J. Schulman,
+    "Approximating KL divergence", 2020), in float32. With ``δ = logπ_ref − logπ``:
+
+    * ``k1 = −δ`` (unbiased; negative on tokens the reference likes better, so a batch mean can be < 0);
+    * ``k2 = ½·δ²`` (biased, ≥ 0, low variance; its gradient is that of the reverse-KL's);
+    * ``k3 = (e^δ − 1) − δ`` (unbiased and ≥ 0; GRPO's; ``δ`` is clamped to ±20 first).
+
+    Args:
+        log_probs: ``[B, A]`` log-probs of the sampled tokens under ``π`` (may carry a gradient).
+        ref_log_probs: ``[B, A]`` the same tokens under ``π_ref``.
+        estimator: ``k1``, ``k2`` or ``k3``.
+
+    Returns:
+        ``[B, A]`` float32; values at masked-out positions are meaningless (mask them).
+    """
+    delta = ref_log_probs.float() - log_probs.float()
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta ** 2
+    if estimator == "k3":
+        delta = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.expm1(delta) - delta
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_loss(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, action_mask: torch.Tensor,
+            estimator: str = "k3", normalizer: Optional[float] = None) -> torch.Tensor:
+    """The KL term of the loss (``--use_kl_loss``; GRPO's): :func:`kl_estimate` aggregated like the policy
+    loss — the token mean over ``action_mask``, or the token sum over a constant ``normalizer``
+    (see :func:`actor_loss`). The gradient flows through ``log_probs``; the caller multiplies by β.
+
+    Args:
+        log_probs: ``[B, A]`` current actor log-probs.
+        ref_log_probs: ``[B, A]``.
+        action_mask: ``[B, A]``.
+        estimator: ``k1``, ``k2`` or ``k3``.
+        normalizer: as in :func:`actor_loss`.
+
+    Returns:
+        Scalar float32.
+    """
+    return _aggregate(kl_estimate(log_probs, ref_log_probs, estimator), _float_mask(action_mask, log_probs.float()),
+                      normalizer)
+
+
+# --------------------------------------------------------------------------- critic-free estimators
+#
+# The answers of one prompt form a group: ``scores [N]`` holds ``N / G`` groups of ``G`` consecutive
+# answers (rows ``g·G … g·G + G − 1`` answer the same prompt). ``valid [N]`` (1 = counts) leaves out
+# dropped answers: they take no part in their group's statistics and get advantage 0. A group with
+# fewer than two valid answers has nothing to compare and gets 0 everywhere. Each function maps the
+# answers' scores to one number per answer (the same for every token of the answer: outcome rewards).
+
+
+def _grouped(scores: torch.Tensor, valid: Optional[torch.Tensor], group_size: int, minimum: int = 2):
+    """``(scores [N/G, G] float32, valid [N/G, G] float32, valid count per group [N/G, 1])``."""
+    if group_size < minimum:
+        raise ValueError(f"a group estimator needs at least {minimum} answers per prompt, got group size "
+                         f"{group_size}")
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(f"scores must be [N] with N a multiple of the group size {group_size}, "
+                         f"got shape {tuple(scores.shape)}")
+    x = scores.float().reshape(-1, group_size)
+    v = torch.ones_like(x) if valid is None else valid.to(device=x.device, dtype=torch.float32).reshape(-1, group_size)
+    x = torch.where(v != 0, x, torch.zeros_like(x))  # an invalid member's score (even nan) never counts
+    return x, v, v.sum(dim=1, keepdim=True)
+
+
+def _group_mean(x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return (x * v).sum(dim=1, keepdim=True) / n.clamp(min=1)
+
+
+def _centered(scores, valid, group_size) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(r − group mean [N/G, G], valid count per group [N/G, 1])``; 0 where it does not count."""
+    x, v, n = _grouped(scores, valid, group_size)
+    return (x - _group_mean(x, v, n)) * v * (n >= 2), n
+
+
+def grpo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch.Tensor] = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (DeepSeekMath; OpenRLHF's ``group_norm``): ``A_i = (r_i − mean_g) / (std_g + eps)``.
+
+    ``std_g`` is the sample standard deviation (Bessel's ``n − 1``, as ``torch.std``) of the group's
+    valid scores. A group whose scores are all equal has ``r_i − mean_g = 0``: advantage 0, never NaN.
+
+    Args:
+        scores: ``[N]`` one score per answer, ``N / group_size`` groups of consecutive answers.
+        group_size: ``G ≥ 2``.
+        valid: ``[N]`` (1 = counts) or None (all count).
+        eps: added to the standard deviation.
+
+    Returns:
+        ``[N]`` float32 advantages.
+    """
+    centered, n = _centered(scores, valid, group_size)
+    std = ((centered ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    scale = torch.where(std + eps > 0, std + eps, torch.ones_like(std))  # std 0: every centred score is 0 too
+    return (centered / scale).reshape(-1)
+
+
+def dr_grpo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dr. GRPO ("Understanding R1-Zero-like training", Liu et al. 2025): ``A_i = r_i − mean_g``.
+
+    No division by the group's standard deviation (which up-weights groups that are almost all right or
+    all wrong); the other half of the fix, a constant loss normaliser instead of each answer's length,
+    is :func:`actor_loss`'s ``normalizer``. Arguments and result as :func:`grpo_advantages`.
+    """
+    return _centered(scores, valid, group_size)[0].reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): ``A_i = r_i − mean of the other valid answers' scores``
+    ``= r_i − (Σ_g − r_i) / (n_g − 1) = n_g / (n_g − 1) · (r_i − mean_g)``. Arguments and result as
+    :func:`grpo_advantages`."""
+    x, v, n = _grouped(scores, valid, group_size)
+    others = ((x * v).sum(dim=1, keepdim=True) - x) / (n - 1).clamp(min=1)
+    return ((x - others) * v * (n >= 2)).reshape(-1)
+
+
+def reinforce_baseline_advantages(scores: torch.Tensor, group_size: int,
+                                  valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025), its per-answer part: ``r_i − mean_g``. The trainer then puts it on
+    the answer's last token with the KL penalties (:func:`kl_penalized_rewards`), sums the returns
+    (:func:`discounted_returns`) and whitens them over the whole batch, all ranks (:func:`masked_whiten`).
+    Arguments and result as :func:`grpo_advantages`."""
+    return dr_grpo_advantages(scores, group_size, valid)
+
+
+def reinforce_advantages(scores: torch.Tensor, group_size: int = 1,
+                         valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025), its per-answer part: the score itself (no baseline; any group size, 1
+    included). As :func:`reinforce_baseline_advantages`, the trainer then adds the KL penalties, sums the
+    discounted returns and whitens them over the whole batch. Returns ``[N]`` float32 (0 where not valid)."""
+    x = scores.float()
+    return x if valid is None else torch.where(valid != 0, x, torch.zeros_like(x))
+
+
+# estimator -> (per-answer function, whitened over the batch afterwards)
+SEQUENCE_ESTIMATORS = {
+    "grpo": (grpo_advantages, False),
+    "dr_grpo": (dr_grpo_advantages, False),
+    "rloo": (rloo_advantages, False),
+    "reinforce_baseline": (reinforce_baseline_advantages, True),
+    "reinforce": (reinforce_advantages, True),
+}
+
+
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_t = Σ_{k ≥ t} γ^(k−t) · r_k`` over the counted actions of each row (0 where the mask is 0).
+
+    The critic-free advantage of a token: with the outcome score on the last action and KL penalties
+    on every action (:func:`kl_penalized_rewards`), ``G_t`` is the score (discounted) plus the penalties
+    still to come. It is :func:`gae_advantages_and_returns` with zero values and ``λ = 1``.
+
+    Args:
+        rewards: ``[B, A]`` per-action rewards.
+        action_mask: ``[B, A]``.
+        gamma: discount ``γ``.
+
+    Returns:
+        ``[B, A]`` float returns, detached.
+    """
+    returns, _ = gae_advantages_and_returns(torch.zeros_like(rewards), rewards, action_mask, gamma, 1.0, 0)
+    return returns
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce=None, eps: float = 1e-8) -> torch.Tensor:
+    """``(x − mean) / sqrt(var + eps)`` over the counted positions (0 elsewhere); REINFORCE++'s global
+    normalisation of the advantages.
+
+    Mean and variance are taken over every counted position of ``x`` — and of the other ranks' when
+    ``all_reduce`` (a function that sums a tensor over the ranks in place, e.g.
+    ``torch.distributed.all_reduce``) is given. No counted position anywhere: zeros.
+
+    Args:
+        x: ``[B, A]``.
+        mask: ``[B, A]`` (1 = counts).
+        all_reduce: None (this tensor only) or an in-place sum over ranks.
+        eps: added to the variance.
+
+    Returns:
+        ``[B, A]`` float32.
+    """
+    x = x.float()
+    m = _float_mask(mask, x)
+    moments = torch.stack([masked_sum(x, m), masked_sum(x * x, m), m.sum()]).double()
+    if all_reduce is not None:
+        all_reduce(moments)
+    total, total_sq, count = moments.tolist()
+    if count == 0:
+        return torch.zeros_like(x)
+    mean = total / count
+    var = max(total_sq / count - mean * mean, 0.0)
+    return _apply_mask((x - mean) / math.sqrt(var + eps), m)
 
 
 @torch.no_grad()

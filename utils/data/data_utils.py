@@ -9,8 +9,13 @@ phase    one sample                           collated batch
 1 (SFT)  prompt+chosen+eot                    input_ids/attention_mask/labels [B, L], right-padded,
                                               labels = ids with padding → -100
 2 (RM)   (prompt+chosen+eot, prompt+rej+eot)  input_ids/attention_mask [2B, L] = [chosen…; rejected…]
-3 (PPO)  prompt                               prompt/prompt_att_mask [B, max_prompt_len], LEFT-padded
+3 (PPO)  {"input_ids": prompt, "prompt": its   prompt/prompt_att_mask [B, max_prompt_len], LEFT-padded;
+         text, "row": the dataset row}        prompt_text and rows: lists of the texts and rows
 =======  ===================================  =====================================================
+
+A phase-3 ``row`` is the dataset row's fields (those holding text, numbers, booleans or
+None) plus ``"reference_answer"``: the answer the adapter reads from the row (a ``chosen``
+answer, gsm8k's worked solution), or None. Reward functions read it (:mod:`utils.reward_functions`).
 
 Phases 1 and 2 pad to the longest sequence of the batch (rounded up to a
 multiple of 8) instead of to ``max_seq_len``: the losses are the same, the
@@ -37,8 +42,9 @@ from torch.utils.data import Dataset
 from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
+from utils.reward_functions import REFERENCE
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: phase-3 samples carry their prompt text and dataset row
 
 
 class PromptDataset(Dataset):
@@ -63,6 +69,18 @@ def _ids(tokenizer, text: str, max_len: int | None) -> torch.Tensor:
 
 def _blank(text) -> bool:
     return text is None or not str(text).strip()
+
+
+def portable_row(raw_dataset, row) -> dict:
+    """The phase-3 ``row`` of a sample (module docstring): plain fields only, so the cache and the step-3
+    checkpoints load with ``torch.load(weights_only=True)``; ``"reference_answer"`` from the adapter."""
+    fields = {k: v for k, v in dict(row).items() if v is None or isinstance(v, (str, int, float, bool))}
+    try:
+        reference = raw_dataset.get_chosen(row)
+    except Exception:  # noqa: BLE001 - an adapter without answers (prompt-only data)
+        reference = None
+    fields[REFERENCE] = reference if isinstance(reference, str) else None
+    return fields
 
 
 def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conversation_token: str,
@@ -103,7 +121,7 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
             if ids.numel() > max_seq_len:
                 skip(f"prompt longer than {max_seq_len} tokens")
                 continue
-            samples.append(ids)
+            samples.append({"input_ids": ids, "prompt": prompt, "row": portable_row(raw_dataset, row)})
     return PromptDataset(samples, train_phase, stats={"kept": len(samples), "skipped": skipped})
 
 
@@ -296,16 +314,19 @@ class DataCollatorReward:
 
 
 class DataCollatorRLHF:
-    """Phase 3: prompts LEFT-padded to exactly ``max_token_len``: ``prompt``/``prompt_att_mask`` [B, P]."""
+    """Phase 3: prompts LEFT-padded to exactly ``max_token_len``: ``prompt``/``prompt_att_mask`` [B, P], and the
+    samples' ``prompt_text`` and ``rows`` (lists; a bare tensor sample has text "" and row {})."""
 
     def __init__(self, max_token_len: int, pad_token_id: int):
         self.max_token_len, self.pad_token_id = max_token_len, pad_token_id
 
     def __call__(self, samples):
+        samples = [s if isinstance(s, dict) else {"input_ids": s, "prompt": "", "row": {}} for s in samples]
         ids = torch.full((len(samples), self.max_token_len), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, s in enumerate(samples):
-            s = s[-self.max_token_len:]
+        for i, sample in enumerate(samples):
+            s = sample["input_ids"][-self.max_token_len:]
             ids[i, self.max_token_len - len(s):] = s
             mask[i, self.max_token_len - len(s):] = 1
-        return {"prompt": ids, "prompt_att_mask": mask}
+        return {"prompt": ids, "prompt_att_mask": mask, "prompt_text": [s["prompt"] for s in samples],
+                "rows": [s["row"] for s in samples]}

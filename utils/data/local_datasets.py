@@ -294,7 +294,9 @@ class LocalPathDataset(PromptRawDataset):
                 raise UserInputError(
                     f"dataset {self.dataset_name!r}: {source} row {i + 1} is a {_type_name(row)}, "
                     "expected an object of fields")
-            rows.append(_canonical_row(layout, _RowReader(self.dataset_name, source, i + 1, row)))
+            canonical = _canonical_row(layout, _RowReader(self.dataset_name, source, i + 1, row))
+            # the row's other fields stay (a step-3 reward function may read them: utils.reward_functions)
+            rows.append({**{k: v for k, v in row.items() if k not in canonical}, **canonical})
         return rows
 
     def _unknown_layout(self, source, keys):

@@ -38,7 +38,7 @@ from utils.errors import UserInputError
 
 # Bump when the way rows are read or rendered changes: part of every fingerprint,
 # so tokenised-data caches built by older code are not reused.
-RAW_FORMAT_VERSION = 1
+RAW_FORMAT_VERSION = 2  # 2: local rows keep their other fields beside prompt/chosen/rejected
 
 
 def _files_fingerprint(files):

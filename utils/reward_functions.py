@@ -1,0 +1,191 @@
+"""Reward (and labelling) functions: a score for each answer computed by code instead of a reward model.
+
+Step 3 takes one with ``--reward_fn SPEC`` (instead of the reward model, or added to it with
+``--reward_fn_weight``); the comparison collector (:mod:`utils.data.comparisons`) ranks sampled
+answers with one, playing the human labeller. ``SPEC`` is a built-in name or ``path/to/file.py:function``.
+
+A reward function is called with three lists of the same length and returns one float per answer::
+
+    def my_reward(prompts: list[str], answers: list[str], rows: list[dict]) -> list[float]: ...
+
+``prompts`` are the prompts as the model saw them (decoded), ``answers`` the generated answers
+(decoded, up to the end token), ``rows`` the dataset rows the prompts came from: the row's own
+fields plus ``"reference_answer"``, the answer the data loader reads from the row (a phase-1/2
+``chosen`` answer, gsm8k's worked solution), or None. Built in:
+
+* ``builtin_rule``: the built-in task's rule score (:func:`utils.data.rule_score.rule_score`, the
+  held-out check's four rules), in [0, 1];
+* ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
+  else 0.0.
+
+:func:`call_reward_fn` checks what a function returns: a function that raises, returns the wrong
+number of scores, or a non-finite or non-numeric score is a :class:`~utils.errors.UserInputError`
+naming the function and the row. Pure Python: no torch import.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from typing import Callable, Dict, List, Optional, Sequence
+
+from utils.errors import UserInputError
+
+REFERENCE = "reference_answer"  # the key under which a row carries the loader's answer text
+
+RewardFn = Callable[[List[str], List[str], List[dict]], Sequence[float]]
+
+
+# --------------------------------------------------------------------------- built-in functions
+
+def builtin_rule(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The built-in task's rule score of each answer (fraction of the four checks it passes)."""
+    from utils.data.rule_score import asked_object, rule_score
+
+    scores = []
+    for prompt, answer in zip(prompts, answers):
+        noun = asked_object(prompt)
+        if noun is None:
+            raise ValueError(f"not a built-in prompt (no object to describe): {prompt.strip()[:80]!r}")
+        scores.append(rule_score(answer, noun))
+    return scores
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> Optional[float]:
+    """The last number written in ``text`` ("1,234.5" -> 1234.5), or None."""
+    found = _NUMBER.findall(text or "")
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def gsm8k_reference(row: dict) -> Optional[float]:
+    """The number after ``####`` in a gsm8k row's reference answer, or None."""
+    reference = row.get(REFERENCE)
+    if not isinstance(reference, str) or "####" not in reference:
+        return None
+    return last_number(reference.split("####")[-1])
+
+
+def gsm8k(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """1.0 where the answer's last number equals the reference's (after ``####``), else 0.0."""
+    scores = []
+    for answer, row in zip(answers, rows):
+        expected = gsm8k_reference(row)
+        if expected is None:
+            raise ValueError("the row has no reference answer ending in '#### <number>'")
+        got = last_number(answer)
+        scores.append(float(got is not None and math.isclose(got, expected, rel_tol=0.0, abs_tol=1e-6)))
+    return scores
+
+
+def _check_gsm8k_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
+    missing = sum(gsm8k_reference(row) is None for row in rows)
+    if missing:
+        return (f"{missing} of {len(rows)} prompts have no reference answer ending in '#### <number>' (gsm8k's "
+                "`answer` field); use data with reference answers, e.g. ../shared/data/gsm8k/train.jsonl")
+    return None
+
+
+def _check_builtin_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
+    from utils.data.rule_score import asked_object
+
+    missing = sum(asked_object(prompt) is None for prompt in prompts)
+    if missing:
+        return (f"{missing} of {len(prompts)} prompts are not built-in prompts (\"... the <object>. Assistant:\"): "
+                "builtin_rule scores answers to builtin/preference prompts only")
+    return None
+
+
+BUILTIN = {"builtin_rule": builtin_rule, "gsm8k": gsm8k}
+# Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
+ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "gsm8k": _check_gsm8k_rows}
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
+    """A built-in name (:data:`BUILTIN`) or ``path/to/file.py:function`` -> the function.
+
+    Raises :class:`UserInputError` for an unknown name, a file that does not exist or does not
+    import, and a name the file does not define (or that is not callable).
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise UserInputError(f"{flag} {spec}: unknown reward function; give a built-in one "
+                             f"({', '.join(BUILTIN)}) or path/to/file.py:function")
+    if not os.path.isfile(path):
+        raise UserInputError(f"{flag} {spec}: no such file {path}")
+    module_name = "dschat_reward_fn_" + re.sub(r"\W", "_", os.path.abspath(path))
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: report it in one line
+        raise UserInputError(f"{flag} {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise UserInputError(f"{flag} {spec}: {path} defines no {name!r}")
+    if not callable(fn):
+        raise UserInputError(f"{flag} {spec}: {name!r} in {path} is not a function")
+    return fn
+
+
+def check_rows(spec: str, prompts: List[str], rows: List[dict], flag: str = "--reward_fn") -> None:
+    """Before training: the data a built-in function needs is there (gsm8k: reference answers; builtin_rule:
+    built-in prompts)."""
+    check = ROW_CHECKS.get(spec)
+    problem = check(prompts, rows) if check is not None else None
+    if problem:
+        raise UserInputError(f"{flag} {spec}: {problem}")
+
+
+def _describe(prompts: List[str], i: int) -> str:
+    prompt = str(prompts[i]).strip().replace("\n", " ")
+    return f"row {i} (prompt {prompt[:60]!r}{'…' if len(prompt) > 60 else ''})"
+
+
+def call_reward_fn(fn: RewardFn, spec: str, prompts: List[str], answers: List[str], rows: List[dict],
+                   flag: str = "--reward_fn") -> List[float]:
+    """``fn(prompts, answers, rows)`` as a list of finite floats, one per answer; anything else is a
+    :class:`UserInputError` naming the function and the offending row."""
+    where = f"{flag} {spec}"
+    try:
+        scores = fn(list(prompts), list(answers), list(rows))
+    except Exception as e:  # noqa: BLE001 - find the row it fails on, then one line
+        for i in range(len(answers)):
+            try:
+                fn([prompts[i]], [answers[i]], [rows[i]])
+            except Exception as row_error:  # noqa: BLE001
+                raise UserInputError(f"{where} raised {type(row_error).__name__}: {row_error} on "
+                                     f"{_describe(prompts, i)}") from None
+        raise UserInputError(f"{where} raised {type(e).__name__}: {e} (on a batch of {len(answers)} answers; "
+                             "no single row raises)") from None
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise UserInputError(f"{where} returned {type(scores).__name__}, not a list of {len(answers)} "
+                             "scores") from None
+    if len(scores) != len(answers):
+        raise UserInputError(f"{where} returned {len(scores)} scores for {len(answers)} answers")
+    out = []
+    for i, score in enumerate(scores):
+        try:
+            value = float(score)
+        except (TypeError, ValueError):
+            raise UserInputError(f"{where} returned {score!r} (not a number) for {_describe(prompts, i)}") \
+                from None
+        if not math.isfinite(value):
+            raise UserInputError(f"{where} returned {value} for {_describe(prompts, i)}; scores must be "
+                                 "finite")
+        out.append(value)
+    return out
