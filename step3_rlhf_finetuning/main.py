@@ -26,13 +26,14 @@ import math
 import os
 import random
 import time
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from step3_rlhf_finetuning.config import (ESTIMATOR_ALIASES, ESTIMATORS, GROUP_ESTIMATORS, GenerationConfig,
-                                          CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, Step3Config, field_defaults)
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, ExponentialMovingAverage, Rollout,
-                                               cut_batches, summarize_rollout)
+from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, ESTIMATOR_ALIASES, ESTIMATORS, GROUP_ESTIMATORS,
+                                          GenerationConfig, PPOConfig, RewardConfig, Step3Config, field_defaults)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches, reward_ema,
+                                               summarize_rollout)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
@@ -375,137 +376,83 @@ def step_line(epoch: int, step: int, metrics: dict) -> str:
     return " | ".join(parts)
 
 
-def main(args):
-    # ---- fail fast on bad flags, model folders and data, before any set-up
-    validate_step3(args)
-    check_zero_combination(args)
-    reward_folders = {"--critic_model_name_or_path": args.critic_model_name_or_path} \
-        if args.critic_model_name_or_path else {}
-    preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
-              reward_models=reward_folders, phase=3,
-              length=(args.max_prompt_seq_len + args.max_answer_seq_len,
-                      "--max_prompt_seq_len + --max_answer_seq_len"))
-    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+@dataclass
+class Progress:
+    """Where the loop is, and what it logged: what a checkpoint saves besides the engines and RNGs (numbers and
+    lists only). Saved right after an RL step, before any batch of the next round is drawn."""
+    epoch: int = 0
+    batches_in_epoch: int = 0  # generation batches of ``epoch`` consumed
+    rl_step: int = 0
+    gen_step: int = 0
+    dropped_total: int = 0  # answers dropped so far (≤ 1 token), all ranks
+    dropped_logged: int = 0
+    ema_reward: float | None = None
+    history: list = field(default_factory=list)  # every step's metrics
 
-    # ---- set-up: distributed, precision, seed, logger; the configuration of engines, RL and generation
-    device, log = start_run(args, "step3_model")
-    config = Step3Config.from_args(args)
-    if args.align_overflow and not config.ppo.align_overflow:
-        log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
+    @classmethod
+    def from_checkpoint(cls, state: dict | None) -> "Progress":
+        """A fresh start (``state`` None) or the saved progress (the checkpoint adds its own keys: ignored)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls)}) if state else cls()
 
-    # ---- tokenizer, data, models
-    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
-    prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
-    if args.reward_fn:
-        check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
-    mixing = config.unsupervised
-    engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
-    trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn)
-    ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
-    perf_constants = throughput_constants(config.engine, engine)
-    ema_reward = ExponentialMovingAverage()
-    history, rl_step, gen_step, dropped_total, dropped_logged = [], 0, 0, 0, 0
-    start_epoch, skip_batches = 0, 0
 
-    # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
-    # trained, so it is rebuilt from the step-1 folder instead of being saved
-    ckpt = CheckpointManager.from_args(args, log)
-    engines = {"actor": engine.actor}
-    if engine.critic is not None:
-        engines["critic"] = engine.critic
-    if engine.actor_ema is not None:
-        engines["actor_ema"] = ModuleState(engine.actor_ema)
-    resumed = ckpt.resume(engines)
-    if resumed:
-        start_epoch, skip_batches = resumed["epoch"], resumed["batches_in_epoch"]
-        rl_step, gen_step, history = resumed["ppo_step"], resumed["gen_step"], resumed["history"]
-        ema_reward.ema, dropped_logged = resumed["ema_reward"], resumed["dropped_logged"]
-        dropped_total = resumed["dropped_total"]
-
-    def trainer_state(epoch: int, batches_in_epoch: int) -> dict:
-        """What a resumed run needs besides the engines and RNGs (tensors, numbers and lists only). Saved right
-        after an RL step, when no generation batch of the next round has been drawn yet."""
-        return {"epoch": epoch, "batches_in_epoch": batches_in_epoch, "ppo_step": rl_step, "gen_step": gen_step,
-                "history": history, "ema_reward": ema_reward.ema, "dropped_logged": dropped_logged,
-                "dropped_total": dropped_total}
-
-    # ---- train: generate -> score -> advantages -> optimise, once per --generation_batches prompt batches
-    critic_free = "critic-free, " if engine.critic is None else ""
-    log.info(f"***** Running RL ({config.ppo.advantage_estimator}: {critic_free}"
-             f"{config.ppo.n_samples_per_prompt} answer(s) per prompt): {rl_steps} RL steps, {total_iters} optimizer "
-             f"steps per model, unsupervised mixing {'on' if mixing else 'off'} *****")
-    rollouts, unsup_batches = [], []
+def training_batches(args, prompt_loader, unsup_loader, progress: Progress, log):
+    """``(prompt batch, text batch or None)`` from where ``progress`` stands to the end of the run (epochs, and
+    ``--max_steps``, which ``progress.rl_step`` is checked against after every round), updating the position."""
+    mixing, start_epoch, skip = unsup_loader is not None, progress.epoch, progress.batches_in_epoch
     for epoch in range(start_epoch, args.num_train_epochs):
-        if args.max_steps and rl_step >= args.max_steps:
-            break
-        skip = skip_batches if epoch == start_epoch else 0
+        if args.max_steps and progress.rl_step >= args.max_steps:
+            return
+        skip = skip if epoch == start_epoch else 0
         for loader in (prompt_loader, unsup_loader):
             if loader is not None:
                 loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
         batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
         total = epoch_batches(min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader),
-                              args, rl_step)
-        for batch_in_epoch, (batch_prompt, batch_unsup) in enumerate(
+                              args, progress.rl_step)
+        for progress.batches_in_epoch, batch in enumerate(
                 log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
-            gen_step += 1
-            batch_prompt = to_device(batch_prompt, device)
-            rollout = trainer.generate(batch_prompt["prompt"], batch_prompt["prompt_att_mask"],
-                                       batch_prompt["prompt_text"], batch_prompt["rows"], gen_step)
-            dropped_total += rollout.info["dropped"]
-            if rollout.info["kept"] == 0:
-                log.warning(f"generation batch {gen_step}: every answer had ≤ 1 token; skipped "
-                            f"({dropped_total} answers dropped so far)")
-                continue
-            rollout.scores = trainer.score(rollout)
-            rollouts.append(rollout)
-            if mixing:
-                unsup_batches.append(to_device(batch_unsup, device))
-            if len(rollouts) < args.generation_batches:
-                continue
-            rollout, rollouts = Rollout.cat(rollouts), []
-            trainer.compute_advantages(rollout)
+            progress.epoch = epoch
+            progress.gen_step += 1
+            yield batch
+            if args.max_steps and progress.rl_step >= args.max_steps:
+                return
 
-            # ---- one RL step on the round's experience
-            rl_step += 1
-            train_start = time.time()
-            losses = optimise(trainer, rollout, unsup_batches, args.per_device_training_batch_size,
-                              config.ppo.ppo_epochs)
-            train_time = time.time() - train_start
-            unsup_batches = []
-            metrics = all_reduce_metrics(rollout, losses)
-            check_finite(rl_step, **{k: metrics[k] for k in sorted(metrics) if k.endswith("_loss")},
-                         average_reward=metrics["reward"], kl=metrics["kl"])
-            metrics["ema_reward"] = ema_reward.update(metrics["reward"])
-            metrics["dropped"], dropped_logged = dropped_total - dropped_logged, dropped_total
-            metrics["dropped_total"] = dropped_total
-            info = rollout.info
-            perf = step3_throughput(
-                engine.actor.module.config, engine.critic.module.config if engine.critic else None,
-                experience_time=info["experience"], generate_time=info["generate"], train_time=train_time,
-                sequences=info["sequences"], seq_length=args.max_prompt_seq_len + args.max_answer_seq_len,
-                answer_length=args.max_answer_seq_len,
-                generated_tokens=info["generated_tokens"] // args.generation_batches,
-                actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
-                world_size=get_world_size(), **perf_constants)
-            history.append(metrics)
-            log.info(step_line(epoch, rl_step, metrics))
-            if throughput_due(rl_step, rl_steps):
-                for line in throughput_lines(perf):
-                    log.info(line)
-            lrs = {"actor_lr": engine.actor.get_lr()[0]}
-            if engine.critic is not None:
-                lrs["critic_lr"] = engine.critic.get_lr()[0]
-            log.scalars(rl_step, "train", **metrics, **lrs,
-                        **{k: perf[k] for k in ("e2e_latency", "gen_latency", "train_latency", "e2e_tflops",
-                                                "gen_tflops", "train_tflops", "samples_per_sec",
-                                                "gen_tokens_per_sec")})
-            ckpt.step_done(rl_step, engines, lambda: trainer_state(epoch, batch_in_epoch))
-            if args.max_steps and rl_step >= args.max_steps:
-                break
 
-    # ---- summary
-    ref_unchanged = parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
-    result = {"steps": rl_step, "dropped_total": dropped_total, "ref_unchanged": ref_unchanged}
+def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_time: float, context: dict) -> dict:
+    """All-reduce, check, log (console, tensorboard, metrics.jsonl) and record one RL step's metrics."""
+    args, engine = context["args"], context["engine"]
+    metrics = all_reduce_metrics(rollout, losses)
+    check_finite(progress.rl_step, **{k: metrics[k] for k in sorted(metrics) if k.endswith("_loss")},
+                 average_reward=metrics["reward"], kl=metrics["kl"])
+    progress.ema_reward = reward_ema(progress.ema_reward, metrics["reward"])
+    metrics.update(ema_reward=progress.ema_reward, dropped=progress.dropped_total - progress.dropped_logged,
+                   dropped_total=progress.dropped_total)
+    progress.dropped_logged = progress.dropped_total
+    info = rollout.info
+    perf = step3_throughput(
+        engine.actor.module.config, engine.critic.module.config if engine.critic else None,
+        experience_time=info["experience"], generate_time=info["generate"], train_time=train_time,
+        sequences=info["sequences"], seq_length=args.max_prompt_seq_len + args.max_answer_seq_len,
+        answer_length=args.max_answer_seq_len, generated_tokens=info["generated_tokens"] // args.generation_batches,
+        actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
+        world_size=get_world_size(), **context["perf_constants"])
+    progress.history.append(metrics)
+    log.info(step_line(progress.epoch, progress.rl_step, metrics))
+    if throughput_due(progress.rl_step, context["rl_steps"]):
+        for line in throughput_lines(perf):
+            log.info(line)
+    lrs = {f"{name}_lr": model.get_lr()[0] for name, model in (("actor", engine.actor), ("critic", engine.critic))
+           if model is not None}
+    log.scalars(progress.rl_step, "train", **metrics, **lrs,
+                **{k: perf[k] for k in ("e2e_latency", "gen_latency", "train_latency", "e2e_tflops", "gen_tflops",
+                                        "train_tflops", "samples_per_sec", "gen_tokens_per_sec")})
+    return metrics
+
+
+def summarize_run(log, progress: Progress, ref_unchanged: bool) -> dict:
+    """The run's result (returned by :func:`main`, logged under ``final``): steps, reward first → last, KL."""
+    history = progress.history
+    result = {"steps": progress.rl_step, "dropped_total": progress.dropped_total, "ref_unchanged": ref_unchanged}
     if history:
         first, last = history[0], history[-1]
         n = head_tail_window(len(history))  # the summary's rule: one reward pair in the log and the summary
@@ -518,21 +465,93 @@ def main(args):
                       **{k: last[k] for k in ("actor_loss", "critic_loss", "kl_loss", "unsup_loss") if k in last})
     else:
         log.warning("no RL step ran (every generated answer was dropped); the models are unchanged")
-    log.scalars(rl_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=dropped_total,
-                reward_start=result.get("reward_start"), reward_end=result.get("reward_end"),
-                reward_start_mean=result.get("reward_start_mean"), reward_end_mean=result.get("reward_end_mean"))
+    log.scalars(progress.rl_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=progress.dropped_total,
+                **{k: result.get(k) for k in ("reward_start", "reward_end", "reward_start_mean", "reward_end_mean")})
+    return result
 
-    # ---- save
+
+def save_models(args, engine, tokenizer, log) -> None:
+    """``actor/`` (and ``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``) under ``--output_dir``."""
+    saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
+    log.info(f"saving {', '.join(saved)} to {args.output_dir}")
+    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage)
+    if engine.critic is not None:
+        save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
+    if engine.actor_ema is not None:
+        save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
+                       args.actor_zero_stage)
+
+
+def main(args):
+    # ---- fail fast on bad flags, model folders and data, before any set-up
+    validate_step3(args)
+    check_zero_combination(args)
+    preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
+              reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}
+              if args.critic_model_name_or_path else {}, phase=3,
+              length=(args.max_prompt_seq_len + args.max_answer_seq_len, "--max_prompt_seq_len + --max_answer_seq_len"))
+    reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
+
+    # ---- set-up: distributed, precision, seed, logger; the configuration of engines, RL and generation
+    device, log = start_run(args, "step3_model")
+    config = Step3Config.from_args(args)
+    if args.align_overflow and not config.ppo.align_overflow:
+        log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
+
+    # ---- tokenizer, data (prompts, their rows for the reward function, text to mix in), models
+    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+    prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
+    if args.reward_fn:
+        check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
+    engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
+    trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn)
+    ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
+    context = {"args": args, "engine": engine, "rl_steps": rl_steps,
+               "perf_constants": throughput_constants(config.engine, engine)}
+
+    # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
+    # trained, so it is rebuilt from the step-1 folder instead of being saved
+    ckpt = CheckpointManager.from_args(args, log)
+    engines = {name: model for name, model in (("actor", engine.actor), ("critic", engine.critic)) if model}
+    if engine.actor_ema is not None:
+        engines["actor_ema"] = ModuleState(engine.actor_ema)
+    progress = Progress.from_checkpoint(ckpt.resume(engines))
+
+    # ---- train: generate -> score -> advantages -> optimise, once per --generation_batches prompt batches
+    ppo = config.ppo
+    log.info(f"***** Running RL ({ppo.advantage_estimator}{', critic-free' if engine.critic is None else ''}, "
+             f"{ppo.n_samples_per_prompt} answer(s) per prompt): {rl_steps} RL steps, {total_iters} optimizer steps "
+             f"per model, unsupervised mixing {'on' if config.unsupervised else 'off'} *****")
+    rollouts, texts = [], []
+    for batch, text in training_batches(args, prompt_loader, unsup_loader, progress, log):
+        batch = to_device(batch, device)
+        rollout = trainer.generate(batch["prompt"], batch["prompt_att_mask"], batch["prompt_text"], batch["rows"],
+                                   progress.gen_step)
+        progress.dropped_total += rollout.info["dropped"]
+        if rollout.info["kept"] == 0:
+            log.warning(f"generation batch {progress.gen_step}: every answer had ≤ 1 token; skipped "
+                        f"({progress.dropped_total} answers dropped so far)")
+            continue
+        rollout.scores = trainer.score(rollout)
+        rollouts.append(rollout)
+        if text is not None:
+            texts.append(to_device(text, device))
+        if len(rollouts) < args.generation_batches:
+            continue
+        rollout, rollouts = Rollout.cat(rollouts), []
+        trainer.compute_advantages(rollout)  # on the whole round: every group (and REINFORCE++'s batch) intact
+        progress.rl_step += 1
+        train_start = time.time()
+        losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs)
+        texts = []
+        report_step(log, progress, rollout, losses, time.time() - train_start, context)
+        ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
+
+    # ---- summary and save
+    ref_unchanged = parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
+    result = summarize_run(log, progress, ref_unchanged)
     if args.output_dir is not None:
-        saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
-        log.info(f"saving {', '.join(saved)} to {args.output_dir}")
-        save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage)
-        if engine.critic is not None:
-            save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"),
-                              args.critic_zero_stage)
-        if engine.actor_ema is not None:
-            save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
-                           args.actor_zero_stage)
+        save_models(args, engine, tokenizer, log)
     log.close()
     return result
 

@@ -135,16 +135,10 @@ def cut_batches(batches: List[dict], size: int) -> List[dict]:
     return [{key: value[i:i + size] for key, value in whole.items()} for i in range(0, rows, size)]
 
 
-class ExponentialMovingAverage:
-    """The reference's reward EMA: ``ema ← α·ema + (1−α)·x`` (first value taken as is)."""
-
-    def __init__(self, alpha: float = 0.9):
-        self.alpha, self.ema = alpha, None
-
-    def update(self, value: float) -> float:
-        prev = value if self.ema is None else self.ema
-        self.ema = self.alpha * prev + (1.0 - self.alpha) * value
-        return self.ema
+def reward_ema(ema: Optional[float], value: float, alpha: float = 0.9) -> float:
+    """The reference's reward EMA after ``value``: ``α·ema + (1−α)·value`` (``ema`` None: the first value)."""
+    prev = value if ema is None else ema
+    return alpha * prev + (1.0 - alpha) * value
 
 
 @contextlib.contextmanager

@@ -119,7 +119,7 @@ CLI_CASES = {
     "group_estimator_with_one_answer": (STEP3, [*STEP3_MODELS, "--advantage_estimator", "grpo"], {},
                                         ["--advantage_estimator grpo", "--n_samples_per_prompt ≥ 2 (got 1)"], {}),
     "unknown_reward_fn": (STEP3, [*GRPO, "--reward_fn", "exact_match"], {},
-                          ["--reward_fn exact_match: unknown reward function", "builtin_rule, gsm8k"], {}),
+                          ["--reward_fn exact_match: unknown reward function", "builtin_rule, builtin_preference, gsm8k"], {}),
     "reward_fn_file_missing": (STEP3, [*GRPO, "--reward_fn", "{dir}/nowhere.py:score"], {},
                                ["--reward_fn", "nowhere.py:score: no such file"], {}),
     "reward_fn_not_defined": (STEP3, [*GRPO, "--reward_fn", "{dir}/r.py:score"],

@@ -263,7 +263,7 @@ def test_step3_two_ranks(runs):
     for result in (z2, z3):
         assert saved_shapes(os.path.join(result.out_dir, "actor")) == actor_shapes
         assert saved_shapes(os.path.join(result.out_dir, "critic")) == critic_shapes
-        assert_rank0_only(result, "Running PPO")
+        assert_rank0_only(result, "Running RL (gae")
         assert_cache_built_once(result, 3)
         assert [r["step"] for r in result.rows("train")] == [1, 2]
     # ZeRO-3 + EMA: the EMA copy is gathered and saved too
@@ -273,3 +273,43 @@ def test_step3_two_ranks(runs):
     # same models, prompts and greedy decoding: ZeRO-3's synced generation scores exactly like ZeRO-2's
     r2, r3 = z2.rows("train")[0]["reward"], z3.rows("train")[0]["reward"]
     assert math.isclose(r2, r3, rel_tol=1e-3, abs_tol=1e-4), (r2, r3)
+
+
+GROUP_LOGGER = """
+import json, os
+
+def score(prompts, answers, rows):
+    # one line per call and rank: the prompts of the answers it scores, in order
+    with open(os.path.join(os.environ["GROUP_LOG_DIR"], f"rank{os.environ['RANK']}.jsonl"), "a") as f:
+        f.write(json.dumps(prompts) + "\\n")
+    return [float(len(a)) for a in answers]
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_grpo_answers_of_a_prompt_stay_together_on_one_rank(runs, tmp_path):
+    """GRPO with 2 ranks, groups of 3 and two generation batches per round: every batch a rank scores holds each of
+    its prompts' 3 answers next to each other (a group never straddles batches or ranks)."""
+    (tmp_path / "logger.py").write_text(GROUP_LOGGER)
+    (tmp_path / "log").mkdir()
+    args = DATA + ["--actor_model_name_or_path", runs["step1_z2"].out_dir, "--advantage_estimator", "grpo",
+                   "--n_samples_per_prompt", "3", "--do_sample", "--reward_fn", f"{tmp_path / 'logger.py'}:score",
+                   "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "4",
+                   "--generation_batches", "2", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
+                   "--max_steps", "2", "--num_warmup_steps", "0", "--actor_zero_stage", "2",
+                   "--dtype", "fp32", "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
+    env = dict(_env(), GROUP_LOG_DIR=str(tmp_path / "log"))
+    cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / STEPS["step3"])]
+    proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = {rank: [json.loads(line) for line in (tmp_path / "log" / f"rank{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)}
+    assert [len(c) for c in calls.values()] == [4, 4]  # 2 steps x 2 generation batches on each rank
+    for rank, batches in calls.items():
+        for prompts in batches:
+            assert len(prompts) == 6 and all(p for p in prompts)
+            assert prompts[0::3] == prompts[1::3] == prompts[2::3], (rank, prompts)  # groups of 3 together
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "out")) == ["actor", "metrics.jsonl"]

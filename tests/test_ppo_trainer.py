@@ -455,3 +455,23 @@ def test_throughput_is_logged_about_five_times_a_run():
     assert [s for s in range(1, 81) if throughput_due(s, 80)] == [16, 32, 48, 64, 80]
     assert [s for s in range(1, 4) if throughput_due(s, 3)] == [3]  # short runs: the last step only
     assert [s for s in range(1, 26) if throughput_due(s, 25)] == [10, 20, 25]  # never more often than every 10
+
+
+def test_each_default_lives_in_the_config_dataclasses():
+    """Every step-3 flag that has a config field takes its default from there, and from_args maps it back."""
+    from dataclasses import fields
+
+    from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig, field_defaults
+
+    args = parse_args(BASE)
+    flag_of = {"backend": "generation_backend", "fn": "reward_fn", "fn_weight": "reward_fn_weight"}
+    skipped = {"eot_token", "ema_beta", "align_overflow", "do_sample", "print_answers"}  # derived or switch flags
+    checked = 0
+    for cls in (PPOConfig, GenerationConfig, RewardConfig):
+        for name, default in field_defaults(cls).items():
+            if name in skipped:
+                continue
+            assert getattr(args, flag_of.get(name, name)) == default, (cls.__name__, name)
+            checked += 1
+    assert checked >= 20
+    assert {f.name for f in fields(PPOConfig)} - {"ema_beta"} <= set(vars(args))  # every PPO field is a flag

@@ -32,12 +32,19 @@ PPO = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", 
        "--enable_ema", "--actor_dropout", "0.1", "--critic_dropout", "0.1", "--num_warmup_steps", "0",
        "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--unsupervised_dataset_name", "{text}",
        "--unsup_coef", "1.0", *CHECKPOINTING]
+# critic-free step 3: GRPO groups of 2 scored by the built-in rule, with the same saved state in play
+GRPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
+        "--reward_fn", "builtin_rule", "--data_path", "builtin/preference-small", "--max_prompt_seq_len", "16",
+        "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+        "--do_sample", "--enable_ema", "--actor_dropout", "0.1", "--num_warmup_steps", "0", "--actor_learning_rate",
+        "1e-3", "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
 STEPS = {  # name: (entry point, arguments, the first quantity check_finite sees)
     "step1": ("step1_supervised_finetuning/main.py", ["--model_name_or_path", "tiny-opt", *COMMON], "loss"),
     "step2_rm": ("step2_reward_model_finetuning/main.py",
                  ["--model_name_or_path", "tiny-opt", "--num_padding_at_beginning", "1", *COMMON], "loss"),
     "step2_dpo": ("step2_dpo_finetuning/main.py", ["--model_name_or_path", "tiny-opt", *COMMON], "loss"),
     "step3": ("step3_rlhf_finetuning/main.py", PPO, "actor_loss"),
+    "step3_grpo": ("step3_rlhf_finetuning/main.py", GRPO, "actor_loss"),
 }
 STEP1 = STEPS["step1"]
 
@@ -113,7 +120,7 @@ def prepared(name, tmp_path_factory):
         step = STEPS[name]
         base = tmp_path_factory.mktemp(f"{name}_resume")
         data = base / "data"
-        if "{rm}" in step[1]:
+        if "{text}" in step[1]:
             (base / "inputs").mkdir()
             make_inputs(base / "inputs")
         ok(run(step, base / "reference", data))

@@ -90,3 +90,32 @@ def test_a_critic_folder_that_is_not_a_step2_output_is_refused(step12, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "is not a step-2 reward model folder" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce"])
+def test_each_critic_free_estimator_end_to_end(step12, tmp_path, estimator):
+    """Two RL steps of each estimator on the tiny models: no critic built or saved; rloo adds the reward model's
+    score to the rule's (--reward_fn_weight), the others score with the rule alone (no reward model loaded)."""
+    actor, reward, cache = step12
+    out = tmp_path / estimator
+    extra = ["--critic_model_name_or_path", reward, "--reward_fn_weight", 2.0] if estimator == "rloo" else []
+    proc = _ok(run_entry(
+        STEP3, *DATA, "--data_output_path", cache, "--actor_model_name_or_path", actor, "--output_dir", out,
+        "--advantage_estimator", estimator, "--n_samples_per_prompt", 2, "--reward_fn", "builtin_rule", *extra,
+        "--max_prompt_seq_len", 12, "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 4,
+        "--per_device_training_batch_size", 4, "--max_steps", 2, "--do_sample", "--actor_learning_rate", 1e-3,
+        "--num_warmup_steps", 0, env=OMP))
+    log = proc.stdout + proc.stderr
+    assert f"Running RL ({estimator}, critic-free, 2 answer(s) per prompt)" in log
+    assert "initializing critic" not in log
+    assert ("initializing reward" in log) == (estimator == "rloo")
+    assert sorted(p.name for p in out.iterdir()) == ["actor", "metrics.jsonl"]  # no critic/ saved
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert "critic_loss" not in r and ("kl_loss" in r) == estimator.endswith("grpo")
+        assert r["kl"] >= 0 and math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"])
+        if estimator != "rloo":  # the built-in rule alone: a score in [0, 1]
+            assert 0 <= r["reward"] <= 1

@@ -58,41 +58,16 @@ def heldout_prompts(dataset: str = "builtin/preference", n: int = N_PROMPTS) -> 
 
 def actor_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX_NEW_TOKENS,
                   sampling: Optional[dict] = None, per_prompt: int = 1, seed: int = SEED) -> List[str]:
-    """Answers of the causal LM in ``model_dir`` to ``prompts`` (decoded, cut at a new "Human:" turn).
+    """Answers of the causal LM in ``model_dir`` to ``prompts`` (decoded, cut at a new "Human:" turn), on the CPU.
 
     Greedy by default: one answer per prompt, in order. With ``sampling`` (``{"temperature",
     "top_k", "top_p"}``, as step 3's flags) ``per_prompt`` sampled answers per prompt, prompt by
-    prompt, drawn after seeding torch with ``seed`` (the caller's random state is restored afterwards).
-    Prompts of the same token length are generated as one batch (no padding, so the same as one at a time).
+    prompt, seeded (:func:`utils.model.answers.generate_answers`).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    from utils.model.answers import generate_answers, load_for_answers
 
-    from utils.model.model_utils import load_hf_tokenizer
-
-    tokenizer = load_hf_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    encoded = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
-    by_length: Dict[int, List[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    decoding = dict(do_sample=False) if sampling is None else dict(
-        do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"],
-        num_return_sequences=per_prompt)
-    n = 1 if sampling is None else per_prompt
-    answers = [""] * (len(prompts) * n)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for length, indices in sorted(by_length.items()):
-            ids = torch.stack([encoded[i] for i in indices])
-            with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **decoding,
-                                     max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id)
-            for row in range(out.shape[0]):  # generate returns a prompt's n answers next to each other
-                text = tokenizer.decode(out[row, length:], skip_special_tokens=True)
-                answers[indices[row // n] * n + row % n] = text.split("Human:")[0].strip()
-    return answers
+    model, tokenizer = load_for_answers(model_dir)
+    return generate_answers(model, tokenizer, prompts, max_new_tokens, sampling, per_prompt, seed)
 
 
 def actor_report(model_dir: str, prompts: List[str], sampling: Optional[dict] = None) -> dict:

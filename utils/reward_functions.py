@@ -15,6 +15,9 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
 
 * ``builtin_rule``: the built-in task's rule score (:func:`utils.data.rule_score.rule_score`, the
   held-out check's four rules), in [0, 1];
+* ``builtin_preference``: the built-in task's preference (:func:`utils.data.builtin.quality`: good words,
+  −2 for another object, −6 for a broken answer), the order ``builtin/preference``'s pairs are drawn
+  in: finer than the rule score (it tells two good words from one), the demo's labeller;
 * ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
   else 0.0.
 
@@ -49,6 +52,20 @@ def builtin_rule(prompts: List[str], answers: List[str], rows: List[dict]) -> Li
         if noun is None:
             raise ValueError(f"not a built-in prompt (no object to describe): {prompt.strip()[:80]!r}")
         scores.append(rule_score(answer, noun))
+    return scores
+
+
+def builtin_preference(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The built-in task's preference score of each answer (good words, −2 another object, −6 broken)."""
+    from utils.data.builtin import quality
+    from utils.data.rule_score import asked_object
+
+    scores = []
+    for prompt, answer in zip(prompts, answers):
+        noun = asked_object(prompt)
+        if noun is None:
+            raise ValueError(f"not a built-in prompt (no object to describe): {prompt.strip()[:80]!r}")
+        scores.append(float(quality(answer, noun)))
     return scores
 
 
@@ -100,13 +117,13 @@ def _check_builtin_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     missing = sum(asked_object(prompt) is None for prompt in prompts)
     if missing:
         return (f"{missing} of {len(prompts)} prompts are not built-in prompts (\"... the <object>. Assistant:\"): "
-                "builtin_rule scores answers to builtin/preference prompts only")
+                "the built-in functions score answers to builtin/... prompts only")
     return None
 
 
-BUILTIN = {"builtin_rule": builtin_rule, "gsm8k": gsm8k}
+BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k}
 # Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
-ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "gsm8k": _check_gsm8k_rows}
+ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows, "gsm8k": _check_gsm8k_rows}
 
 
 # --------------------------------------------------------------------------- loading

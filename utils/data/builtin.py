@@ -60,8 +60,10 @@ TEMPLATES = (
     "What do you think of the {noun}?",
     "How would you describe the {noun}?",
 )
-SIZES = {"builtin/preference": (4000, 400), "builtin/preference-small": (400, 80)}
+SIZES = {"builtin/preference": (4000, 400), "builtin/preference-small": (400, 80),
+         "builtin/demonstrations": (4000, 400), "builtin/demonstrations-small": (400, 80)}
 BUILTIN_DATASETS = tuple(SIZES)
+DEMONSTRATIONS_VERSION = 1  # bump when the demonstrations' generator changes (part of their cache key)
 N_ADJECTIVES = 3
 # How a rejected answer is worse, with its share of the rows (the rest are "fewer_good").
 HACK_SHARES = (("wrong_object", 0.20), ("repeated_word", 0.25), ("long_list", 0.10), ("short_list", 0.05))
@@ -179,12 +181,70 @@ def generate(n_rows: int, seed: int) -> List[Dict[str, str]]:
     return [_row(rng) for _ in range(n_rows)]
 
 
+# ----------------------------------------------------------------------------- demonstrations
+#
+# ``builtin/demonstrations`` is what a team of human demonstrators would write for the same prompts: answers of
+# mixed quality, as real demonstrations are. Most follow the instructions, but each demonstrator has habits:
+# repeating the first adjective at the end ("bright and kind and bright"), slipping in a bad word, listing two
+# or four adjectives, or describing another object. Step 1 imitates all of it, so the SFT actor is imperfect at
+# its plateau and step 3 has room to make it better (InstructGPT's premise). Rows:
+#
+#     prompt   " Human: Describe the lamp. Assistant:"
+#     chosen   " The lamp is bright and kind and bright."      (the demonstration)
+#     rejected None                                           (no comparison: an SFT set)
+#     flaw     "repeated_word"                                (or "none")
+
+# How a demonstration is flawed, with its share of the rows (the rest, "none", follow every instruction).
+DEMONSTRATION_FLAWS = (("repeated_word", 0.30), ("bad_word", 0.15), ("wrong_count", 0.125), ("wrong_object", 0.125))
+
+
+def demonstration(rng: random.Random, noun: str, flaw: str) -> str:
+    """A demonstration about ``noun`` with ``flaw`` (:data:`DEMONSTRATION_FLAWS`, or "none")."""
+    if flaw == "repeated_word":  # the demonstrators' habit: the first word again at the end
+        first, second = rng.sample(GOOD, 2)
+        return _sentence(noun, [first, second, first])
+    if flaw == "bad_word":
+        return _sentence(noun, _words(rng, rng.choice((1, 2))))
+    if flaw == "wrong_count":
+        return _sentence(noun, rng.sample(GOOD, rng.choice((2, 4))))
+    if flaw == "wrong_object":
+        return _sentence(rng.choice([n for n in NOUNS if n != noun]), rng.sample(GOOD, N_ADJECTIVES))
+    if flaw != "none":
+        raise ValueError(f"unknown demonstration flaw {flaw!r}")
+    return _sentence(noun, rng.sample(GOOD, N_ADJECTIVES))
+
+
+def _demonstration_row(rng: random.Random) -> Dict[str, str]:
+    noun = rng.choice(NOUNS)
+    u, edge, flaw = rng.random(), 0.0, "none"
+    for kind, share in DEMONSTRATION_FLAWS:
+        edge += share
+        if u < edge:
+            flaw = kind
+            break
+    prompt = " Human: " + rng.choice(TEMPLATES).format(noun=noun) + " Assistant:"
+    return {"prompt": prompt, "chosen": demonstration(rng, noun, flaw), "rejected": None, "flaw": flaw}
+
+
+def generate_demonstrations(n_rows: int, seed: int) -> List[Dict[str, str]]:
+    """``n_rows`` rows ``{"prompt", "chosen", "rejected": None, "flaw"}``, the same for the same seed."""
+    rng = random.Random(seed)
+    return [_demonstration_row(rng) for _ in range(n_rows)]
+
+
+def dataset_version(name: str) -> int:
+    """The generator version of a built-in dataset (part of its cache key)."""
+    return DEMONSTRATIONS_VERSION if name.startswith("builtin/demonstrations") else VERSION
+
+
 def load_builtin(name: str) -> Dict[str, List[Dict[str, str]]]:
     """``{"train": rows, "eval": rows}`` for a built-in dataset name."""
     if name not in SIZES:
         raise KeyError(f"unknown built-in dataset {name!r}; known: {', '.join(BUILTIN_DATASETS)}")
     n_train, n_eval = SIZES[name]
-    return {"train": generate(n_train, seed=1000 + VERSION), "eval": generate(n_eval, seed=2000 + VERSION)}
+    make = generate_demonstrations if name.startswith("builtin/demonstrations") else generate
+    version = dataset_version(name)
+    return {"train": make(n_train, seed=1000 + version), "eval": make(n_eval, seed=2000 + version)}
 
 
 def tokenizer_corpus() -> List[str]:

@@ -144,6 +144,20 @@ def create_dataset(local_rank, dataset_name, data_split, output_path, train_phas
     return out[0], out[1], raw
 
 
+def phase_prompts(data_path, data_split, output_path, phase, seed, local_rank=-1) -> dict:
+    """``{"train": [(prompt, row)], "eval": [...]}``: the text prompts of ``phase``'s rows of every dataset (rows as
+    :func:`portable_row`), untokenised — what the comparison collector answers. Rows with a blank prompt are left out."""
+    out = {"train": [], "eval": []}
+    for name in data_path:
+        raw = get_raw_dataset(name, output_path, seed, local_rank)
+        for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
+            for row in _phase_rows(raw, split_name, data, output_path, seed, data_split, phase):
+                prompt = raw.get_prompt(row)
+                if not _blank(prompt):
+                    out[split_name].append((prompt, portable_row(raw, row)))
+    return out
+
+
 def _tokenizer_fingerprint(tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     special = json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side,

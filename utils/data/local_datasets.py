@@ -345,7 +345,7 @@ class BuiltinDataset(PromptRawDataset):
             raise UserInputError(
                 f"dataset {self.dataset_name!r}: unknown built-in dataset; known: "
                 + ", ".join(builtin.BUILTIN_DATASETS))
-        self._version = getattr(builtin, "VERSION", 0)
+        self._version = builtin.dataset_version(self.dataset_name)
         self.dataset_name_clean = _safe_name(self.dataset_name)
 
     def _read(self):

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""Collect comparisons for step 2 from the step-1 actor's own answers, ranked by a labelling function.
+
+    python step2_reward_model_finetuning/collect_comparisons.py --actor_model_name_or_path out/actor \\
+        --data_path builtin/demonstrations --label_fn builtin_preference --num_answers 4 --output_dir out/comparisons
+    python step2_reward_model_finetuning/main.py --data_path out/comparisons --data_split 0,1,0 ...
+
+parse → prompts of the ``--phase`` share (the reward model's, 2, by default) of ``--data_path`` →
+the actor samples ``--num_answers`` answers per prompt → ``--label_fn`` scores them (the human
+labeller: a built-in name or ``path/to/file.py:function``, as step 3's ``--reward_fn``) → every pair of
+differently scored answers, better first (:mod:`utils.data.comparisons`) → ``train.jsonl`` and
+``eval.jsonl`` (from the dataset's train and eval splits) and ``comparisons.json`` (counts, settings)
+in ``--output_dir``, written atomically: a failed run leaves no folder behind.
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+from utils.arguments import HelpFormatter, add_trust_remote_code_arg
+from utils.data.comparisons import ranked_pairs, summarize
+from utils.entrypoint import run_main
+from utils.errors import UserInputError
+from utils.files import atomic_directory
+from utils.preflight import check_causal_lm_path, check_output_dir_writable
+from utils.reward_functions import BUILTIN, call_reward_fn, check_rows, load_reward_fn
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
+    p.add_argument("--actor_model_name_or_path", required=True, help="The step-1 actor (or any causal LM).")
+    p.add_argument("--data_path", nargs="+", default=["builtin/demonstrations"],
+                   help="Datasets whose prompts are answered (the forms every step takes).")
+    p.add_argument("--data_split", default="2,4,4", help="Phase shares, as the steps' flag.")
+    p.add_argument("--phase", type=int, default=2, choices=(1, 2, 3),
+                   help="Whose prompts: the reward model's share (2) keeps them apart from steps 1 and 3.")
+    p.add_argument("--data_output_path", default="/tmp/data_files/", help="Where split indices are cached.")
+    p.add_argument("--label_fn", required=True,
+                   help=f"Scores the answers: built in {', '.join(BUILTIN)}, or path/to/file.py:function (called with "
+                        "the prompts, the answers and the dataset rows; returns one float per answer).")
+    p.add_argument("--num_answers", type=int, default=4, help="Answers sampled per prompt (K): up to K·(K−1)/2 pairs.")
+    p.add_argument("--max_prompts", type=int, default=0, help="Prompts of the train split to answer (0 = all).")
+    p.add_argument("--max_eval_prompts", type=int, default=0, help="Prompts of the eval split to answer (0 = all).")
+    p.add_argument("--max_new_tokens", type=int, default=32, help="Tokens generated per answer (at most).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    p.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off).")
+    p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off).")
+    p.add_argument("--batch_size", type=int, default=64, help="Prompts generated together.")
+    p.add_argument("--seed", type=int, default=1234, help="Seed of the split and of the sampling.")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
+    p.add_argument("--output_dir", required=True, help="Where train.jsonl, eval.jsonl and comparisons.json go.")
+    p.add_argument("--overwrite", action="store_true", help="Replace the comparisons an earlier run wrote there.")
+    add_trust_remote_code_arg(p)
+    return p.parse_args(argv)
+
+
+OUTPUTS = ("train.jsonl", "eval.jsonl", "comparisons.json")
+
+
+def validate(args) -> None:
+    for name in ("num_answers", "max_new_tokens", "batch_size"):
+        if getattr(args, name) < (2 if name == "num_answers" else 1):
+            raise UserInputError(f"--{name} must be ≥ {2 if name == 'num_answers' else 1}, got {getattr(args, name)}")
+    for name in ("max_prompts", "max_eval_prompts"):
+        if getattr(args, name) < 0:
+            raise UserInputError(f"--{name} must be ≥ 0 (0 = all), got {getattr(args, name)}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1 and args.top_k >= 0):
+        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0")
+    earlier = [name for name in OUTPUTS if os.path.exists(os.path.join(args.output_dir, name))]
+    if earlier and not args.overwrite:
+        raise UserInputError(f"--output_dir {args.output_dir} already holds comparisons ({', '.join(earlier)}); pass "
+                             "--overwrite to replace them, or give another --output_dir")
+
+
+def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) -> tuple:
+    """(pairs, pairs per prompt, scores) for one split's ``(prompt, row)`` list."""
+    from tqdm import tqdm
+
+    from utils.model.answers import generate_answers
+
+    prompts = [p for p, _ in prompts_rows]
+    K = args.num_answers
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    with tqdm(total=len(prompts), desc=f"answering {split} prompts ({K} each)", unit="prompt") as bar:
+        answers = generate_answers(model, tokenizer, prompts, args.max_new_tokens, sampling, per_prompt=K,
+                                   seed=args.seed + (split == "eval"), batch_size=args.batch_size,
+                                   progress=bar.update)
+    repeated = [p for p in prompts for _ in range(K)]
+    rows = [r for _, r in prompts_rows for _ in range(K)]
+    scores = call_reward_fn(label_fn, args.label_fn, repeated, answers, rows, flag="--label_fn")
+    pairs, counts = [], []
+    for i, prompt in enumerate(prompts):
+        found = ranked_pairs(prompt, answers[i * K:(i + 1) * K], scores[i * K:(i + 1) * K])
+        pairs += found
+        counts.append(len(found))
+    return pairs, counts, scores
+
+
+def main(args):
+    # ---- fail fast: flags, the actor, the output folder, the labelling function and the data
+    validate(args)
+    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
+    check_output_dir_writable(args.output_dir)
+    label_fn = load_reward_fn(args.label_fn, flag="--label_fn")
+    from utils.data.data_utils import phase_prompts
+
+    data = phase_prompts(args.data_path, args.data_split, args.data_output_path, args.phase, args.seed)
+    limits = {"train": args.max_prompts, "eval": args.max_eval_prompts}
+    data = {split: rows[:limits[split]] if limits[split] else rows for split, rows in data.items()}
+    if not data["train"]:
+        raise UserInputError(f"--data_path {' '.join(args.data_path)}: no prompts in phase {args.phase}'s share of "
+                             f"the train split (--data_split {args.data_split})")
+    for split, rows in data.items():
+        check_rows(args.label_fn, [p for p, _ in rows], [r for _, r in rows], flag="--label_fn")
+
+    # ---- the actor
+    import torch
+
+    from utils.model.answers import load_for_answers
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device)
+
+    # ---- answer, label, pair; then write everything at once
+    start, written, report = time.time(), {}, {}
+    for split, rows in data.items():
+        pairs, counts, scores = collect(model, tokenizer, label_fn, args, rows, split) if rows else ([], [], [])
+        written[split] = pairs
+        report[split] = summarize(counts, len(scores), scores)
+        print(f"{split}: {report[split]['prompts']} prompts x {args.num_answers} answers -> "
+              f"{report[split]['pairs']} pairs ({report[split]['prompts_without_pairs']} prompts all tied); mean "
+              f"{args.label_fn} score {report[split]['mean_score']:.3f}", flush=True)
+    if not written["train"]:
+        raise UserInputError(f"--label_fn {args.label_fn} gave every answer of every prompt the same score: no pair "
+                             "to train on")
+    settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
+                                              "label_fn", "num_answers", "temperature", "top_k", "top_p", "seed")}
+    with atomic_directory(args.output_dir) as tmp:
+        for split, pairs in written.items():
+            with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
+                f.writelines(json.dumps(pair) + "\n" for pair in pairs)
+        with open(os.path.join(tmp, "comparisons.json"), "w") as f:
+            json.dump({"settings": settings, **report, "seconds": time.time() - start}, f, indent=1)
+    print(f"wrote {len(written['train'])} train and {len(written['eval'])} eval comparisons to {args.output_dir} "
+          f"({time.time() - start:.1f}s); train a reward model on them with: --data_path {args.output_dir} "
+          "--data_split 0,1,0", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    run_main(main, parse_args())
