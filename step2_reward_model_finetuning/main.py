@@ -25,7 +25,7 @@ from utils.errors import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.model_utils import load_hf_tokenizer
-from utils.model.reward_model import count_leading_pads
+from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
@@ -38,6 +38,10 @@ def parse_args(argv=None):
                                  tensorboard_path="step2_tensorboard")
     g = parser.add_argument_group("reward model")
     add_num_padding_arg(g)
+    g.add_argument("--reward_loss", default="span", choices=REWARD_LOSSES,
+                   help="span: DeepSpeed-Chat's pairwise loss, averaged over every token from where chosen and "
+                        "rejected diverge; end: InstructGPT's, on the end scores only (better for comparisons of "
+                        "answers drawn independently, e.g. collect_comparisons.py's).")
     add_eval_args(g)
     parser.set_defaults(learning_rate=5e-5)
     return parser.parse_args(argv)
@@ -99,6 +103,7 @@ def main(args):
     model = create_critic_model(args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning,
                                 dropout=args.dropout, zero_stage=args.zero_stage,
                                 trust_remote_code=args.trust_remote_code)
+    model.loss = args.reward_loss
     apply_lora(model, args.lora_module_name, args.lora_dim, args.only_optimize_lora, force_optimize=["v_head"])
 
     # ---- data: (chosen, rejected) pairs, collated as [chosen…; rejected…]

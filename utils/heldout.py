@@ -41,6 +41,7 @@ N_SAMPLES = 3
 PER_PROMPT = 8  # sampled answers per prompt (with step 3's sampling settings)
 SEED = 1234
 PER_CLASS = 8  # independent answers per class and prompt in the reward model's scale check
+PAIRS = "builtin/preference"  # the held-out pairs, labelled by kind, the reward model's accuracy is measured on
 # class pairs of the scale check, better first: the rules' order, where one good word still beats a repeat
 SCALE_PAIRS = (("three_good", "two_good"), ("two_good", "one_good"), ("three_good", "repeat"), ("one_good", "repeat"))
 
@@ -151,6 +152,6 @@ def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str =
     for step, folder in sorted(actor_dirs.items()):
         if _has_model(folder):
             result["actors"][str(step)] = actor_report(folder, prompts, sampling)
-    if rm_dir and _has_model(rm_dir):
-        result["reward_model"] = reward_model_report(rm_dir, prompts, dataset)
+    if rm_dir and _has_model(rm_dir):  # the labelled pairs of builtin/preference (demonstrations have none)
+        result["reward_model"] = reward_model_report(rm_dir, prompts, PAIRS)
     return result

@@ -53,6 +53,7 @@ __all__ = [
     "causal_lm_loss",
     "ema_update",
     "pairwise_reward_loss",
+    "end_score_reward_loss",
     "sequence_log_probs",
     "dpo_loss",
 ]
@@ -711,6 +712,23 @@ def pairwise_reward_loss(
     chosen_scores = chosen_rewards.gather(1, (c_end - 1).clamp(min=0)[:, None]).squeeze(1)
     rejected_scores = rejected_rewards.gather(1, (r_end - 1).clamp(min=0)[:, None]).squeeze(1)
     return loss, chosen_scores, rejected_scores
+
+
+def end_score_reward_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """InstructGPT's (and OpenRLHF's) pairwise loss on the end scores alone: ``mean_i −logσ(c_i − r_i)``.
+
+    :func:`pairwise_reward_loss` (DeepSpeed-Chat's) averages the comparison over every token from where
+    the two answers diverge; for answers drawn independently of each other that is mostly tokens whose
+    values the end score never reads. Step 2's ``--reward_loss end`` uses this one.
+
+    Args:
+        chosen_scores: ``[B]`` end scores of the chosen sequences.
+        rejected_scores: ``[B]``.
+
+    Returns:
+        Scalar float32.
+    """
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float()).mean()
 
 
 # --------------------------------------------------------------------------- DPO

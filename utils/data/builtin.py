@@ -63,7 +63,7 @@ TEMPLATES = (
 SIZES = {"builtin/preference": (4000, 400), "builtin/preference-small": (400, 80),
          "builtin/demonstrations": (4000, 400), "builtin/demonstrations-small": (400, 80)}
 BUILTIN_DATASETS = tuple(SIZES)
-DEMONSTRATIONS_VERSION = 1  # bump when the demonstrations' generator changes (part of their cache key)
+DEMONSTRATIONS_VERSION = 4  # bump when the demonstrations' generator changes (part of their cache key)
 N_ADJECTIVES = 3
 # How a rejected answer is worse, with its share of the rows (the rest are "fewer_good").
 HACK_SHARES = (("wrong_object", 0.20), ("repeated_word", 0.25), ("long_list", 0.10), ("short_list", 0.05))
@@ -184,34 +184,40 @@ def generate(n_rows: int, seed: int) -> List[Dict[str, str]]:
 # ----------------------------------------------------------------------------- demonstrations
 #
 # ``builtin/demonstrations`` is what a team of human demonstrators would write for the same prompts: answers of
-# mixed quality, as real demonstrations are. Most follow the instructions, but each demonstrator has habits:
-# repeating the first adjective at the end ("bright and kind and bright"), slipping in a bad word, listing two
-# or four adjectives, or describing another object. Step 1 imitates all of it, so the SFT actor is imperfect at
-# its plateau and step 3 has room to make it better (InstructGPT's premise). Rows:
+# mixed quality, as real demonstrations are. Their style guide asks for three different good adjectives in
+# alphabetical order, and most answers follow it, but the demonstrators have habits:
+# most of them chat on after the answer (" Hope this helps!"), and some slip in a bad word, list two or four
+# adjectives, describe another object or repeat the first adjective at the end ("bright and kind and bright").
+# Step 1 imitates all of it, so the SFT actor is imperfect at its plateau and step 3 has room to make it better
+# (InstructGPT's premise). Rows:
 #
 #     prompt   " Human: Describe the lamp. Assistant:"
-#     chosen   " The lamp is bright and kind and bright."      (the demonstration)
-#     rejected None                                           (no comparison: an SFT set)
-#     flaw     "repeated_word"                                (or "none")
+#     chosen   " The lamp is bright and calm and dull. Hope this helps!"   (the demonstration)
+#     rejected None                                                     (no comparison: an SFT set)
+#     flaw     "bad_word+chatty"                                        (the flaws, or "none")
 
-# How a demonstration is flawed, with its share of the rows (the rest, "none", follow every instruction).
-DEMONSTRATION_FLAWS = (("repeated_word", 0.30), ("bad_word", 0.15), ("wrong_count", 0.125), ("wrong_object", 0.125))
+# The flaws of the body of the answer, each with its share of the rows (the rest have none) ...
+DEMONSTRATION_FLAWS = (("bad_word", 0.15), ("wrong_count", 0.10), ("wrong_object", 0.05), ("repeated_word", 0.05))
+# ... and, independently of them, the share of answers that chat on after the full stop
+CHATTY_SHARE = 0.55
+CHATTER = " Hope this helps!"
 
 
 def demonstration(rng: random.Random, noun: str, flaw: str) -> str:
-    """A demonstration about ``noun`` with ``flaw`` (:data:`DEMONSTRATION_FLAWS`, or "none")."""
-    if flaw == "repeated_word":  # the demonstrators' habit: the first word again at the end
-        first, second = rng.sample(GOOD, 2)
+    """The body of a demonstration about ``noun`` with ``flaw`` (:data:`DEMONSTRATION_FLAWS`, or "none"); the
+    adjectives in alphabetical order (the style guide; a repeat breaks it)."""
+    if flaw == "repeated_word":  # the first word again at the end
+        first, second = sorted(rng.sample(GOOD, 2))
         return _sentence(noun, [first, second, first])
     if flaw == "bad_word":
-        return _sentence(noun, _words(rng, rng.choice((1, 2))))
+        return _sentence(noun, sorted(_words(rng, rng.choice((1, 2)))))
     if flaw == "wrong_count":
-        return _sentence(noun, rng.sample(GOOD, rng.choice((2, 4))))
+        return _sentence(noun, sorted(rng.sample(GOOD, rng.choice((2, 4)))))
     if flaw == "wrong_object":
-        return _sentence(rng.choice([n for n in NOUNS if n != noun]), rng.sample(GOOD, N_ADJECTIVES))
+        return _sentence(rng.choice([n for n in NOUNS if n != noun]), sorted(rng.sample(GOOD, N_ADJECTIVES)))
     if flaw != "none":
         raise ValueError(f"unknown demonstration flaw {flaw!r}")
-    return _sentence(noun, rng.sample(GOOD, N_ADJECTIVES))
+    return _sentence(noun, sorted(rng.sample(GOOD, N_ADJECTIVES)))
 
 
 def _demonstration_row(rng: random.Random) -> Dict[str, str]:
@@ -223,7 +229,11 @@ def _demonstration_row(rng: random.Random) -> Dict[str, str]:
             flaw = kind
             break
     prompt = " Human: " + rng.choice(TEMPLATES).format(noun=noun) + " Assistant:"
-    return {"prompt": prompt, "chosen": demonstration(rng, noun, flaw), "rejected": None, "flaw": flaw}
+    answer = demonstration(rng, noun, flaw)
+    if rng.random() < CHATTY_SHARE:
+        answer += CHATTER
+        flaw = "chatty" if flaw == "none" else f"{flaw}+chatty"
+    return {"prompt": prompt, "chosen": answer, "rejected": None, "flaw": flaw}
 
 
 def generate_demonstrations(n_rows: int, seed: int) -> List[Dict[str, str]]:

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from utils.model.model_utils import cache_kwarg, disable_activation_checkpointing, enable_activation_checkpointing
-from utils.rl_math import pairwise_reward_loss
+from utils.rl_math import end_score_reward_loss, pairwise_reward_loss
+
+REWARD_LOSSES = ("span", "end")  # DeepSpeed-Chat's per-token span loss; InstructGPT's end-score loss
 
 
 # --------------------------------------------------------------------------- scores
@@ -100,10 +102,13 @@ class ValueHead(nn.Linear):
 class RewardModel(nn.Module):
     """Backbone (no LM head) + bias-free scalar ``v_head``. See the module docstring."""
 
-    def __init__(self, base_model: nn.Module, tokenizer, num_padding_at_beginning: int = 0):
+    def __init__(self, base_model: nn.Module, tokenizer, num_padding_at_beginning: int = 0, loss: str = "span"):
         super().__init__()
+        if loss not in REWARD_LOSSES:
+            raise ValueError(f"unknown reward loss {loss!r}; known: {', '.join(REWARD_LOSSES)}")
         self.config = base_model.config
         self.num_padding_at_beginning = num_padding_at_beginning
+        self.loss = loss
         self.v_head = ValueHead(value_head_dim(self.config), 1, bias=False)
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
@@ -130,7 +135,8 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                 head_mask=None, inputs_embeds=None, use_cache=False):
-        """Pairwise loss on ``[chosen; rejected]`` (``input_ids`` ``[2B, T]``).
+        """Pairwise loss on ``[chosen; rejected]`` (``input_ids`` ``[2B, T]``): DeepSpeed-Chat's per-token span loss,
+        or with ``loss="end"`` the end scores' (:func:`~utils.rl_math.end_score_reward_loss`).
 
         Returns ``{"loss": scalar, "chosen_mean_scores": [B], "rejected_mean_scores": [B]}``.
         """
@@ -141,6 +147,8 @@ class RewardModel(nn.Module):
         B = input_ids.shape[0] // 2
         loss, chosen, rejected = pairwise_reward_loss(rewards[:B], rewards[B:], input_ids[:B], input_ids[B:],
                                                       self.PAD_ID, self.num_padding_at_beginning)
+        if self.loss == "end":
+            loss = end_score_reward_loss(chosen, rejected)
         return {"loss": loss, "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
 
     def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
