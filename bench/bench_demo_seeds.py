@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         share = (f"{r['share_of_oracle_greedy']:.2f} / {r['share_of_oracle_sampled']:.2f}"
                  if "share_of_oracle_greedy" in r else "—")
         scale = ", ".join(f"{r['scale'].get(k, float('nan')):.2f}" for k in SCALE)
-        print(f"| {r['seed']} | {r['sft']['greedy']:.3f} | {r['ppo']['greedy']:.3f} | {o.get('greedy', float('nan')):.3f} "
+        print(f"| {r['seed']} | {r['sft']['greedy']:.3f} | {r['ppo']['greedy']:.3f} "
+              f"| {o.get('greedy', float('nan')):.3f} "
               f"| {r['sft']['sampled']:.3f} | {r['ppo']['sampled']:.3f} | {o.get('sampled', float('nan')):.3f} "
               f"| {r['sft']['all_four_greedy']:.3f} -> {r['ppo']['all_four_greedy']:.3f} "
               f"| {r['sft']['all_four_sampled']:.3f} -> {r['ppo']['all_four_sampled']:.3f} "

@@ -9,7 +9,8 @@ parse → prompts of the ``--phase`` share (the reward model's, 2, by default) o
 the actor samples ``--num_answers`` answers per prompt → ``--label_fn`` scores them (the human
 labeller: a built-in name or ``path/to/file.py:function``, as step 3's ``--reward_fn``) → every pair of
 differently scored answers, better first (:mod:`utils.data.comparisons`) → ``train.jsonl`` and
-``eval.jsonl`` (from the dataset's train and eval splits) and ``comparisons.json`` (counts, settings)
+``eval.jsonl`` (from the dataset's train and eval splits; no eval file when the eval prompts gave no pair)
+and ``comparisons.json`` (counts, settings)
 in ``--output_dir``, written atomically: a failed run leaves no folder behind.
 """
 import argparse
@@ -137,8 +138,13 @@ def main(args):
                              "to train on")
     settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
                                               "label_fn", "num_answers", "temperature", "top_k", "top_p", "seed")}
+    if not written["eval"]:
+        print("no eval pairs (every eval prompt's answers tied, or none asked for): eval.jsonl is left out, so step 2 "
+              "splits the train pairs 9:1 for its evaluation", flush=True)
     with atomic_directory(args.output_dir) as tmp:
         for split, pairs in written.items():
+            if not pairs:
+                continue
             with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
                 f.writelines(json.dumps(pair) + "\n" for pair in pairs)
         with open(os.path.join(tmp, "comparisons.json"), "w") as f:

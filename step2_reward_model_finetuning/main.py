@@ -24,7 +24,6 @@ from utils.entrypoint import run_main
 from utils.errors import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
-from utils.model.model_utils import load_hf_tokenizer
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight

@@ -87,3 +87,34 @@ def test_scale_answers_have_the_quality_their_class_says():
         assert quality(by_class["repeat"], "lamp") < 0 and len(repeat) == 3 and len(set(repeat)) == 2
         assert all(w in GOOD for w in repeat) and not rule_checks(by_class["repeat"], "lamp")["no_repeat"]
         assert all(rule_checks(by_class[c], "lamp")["well_formed"] for c in SCALE_CLASSES)
+
+
+# --------------------------------------------------------------------------- demonstrations (step 1 of the demo)
+
+def test_demonstrations_have_every_flaw_they_are_labelled_with():
+    from utils.data.builtin import CHATTER, CHATTY_SHARE, DEMONSTRATION_FLAWS, generate_demonstrations
+
+    rows = generate_demonstrations(4000, seed=3)
+    assert rows == generate_demonstrations(4000, seed=3)  # deterministic
+    flaws = Counter(flaw for r in rows for flaw in r["flaw"].split("+"))
+    for flaw, share in DEMONSTRATION_FLAWS:
+        assert abs(flaws[flaw] / len(rows) - share) < 0.02, (flaw, flaws)
+    assert abs(flaws["chatty"] / len(rows) - CHATTY_SHARE) < 0.03
+    for row in rows:
+        noun, labels, answer = _noun(row["prompt"]), set(row["flaw"].split("+")), row["chosen"]
+        assert row["rejected"] is None
+        body = answer[:-len(CHATTER)] if "chatty" in labels else answer
+        assert answer.endswith(CHATTER) == ("chatty" in labels)
+        checks, adjectives = rule_checks(body, noun), _adjectives(body)
+        # each label is the one check the body fails (or none), and the style guide's alphabetical order holds
+        assert checks["no_repeat"] == ("repeated_word" not in labels), row
+        assert checks["only_good"] == ("bad_word" not in labels), row
+        assert checks["names_object"] == ("wrong_object" not in labels), row
+        assert (len(adjectives) == 3) == ("wrong_count" not in labels), row
+        assert adjectives == sorted(adjectives) or "repeated_word" in labels, row
+        assert all(rule_checks(answer, noun).values()) == (row["flaw"] == "none")
+
+
+def test_demonstrations_load_like_any_builtin_set():
+    rows = load_builtin("builtin/demonstrations-small")
+    assert (len(rows["train"]), len(rows["eval"])) == (400, 80) and rows["train"][0]["rejected"] is None

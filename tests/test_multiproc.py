@@ -298,7 +298,8 @@ def test_grpo_answers_of_a_prompt_stay_together_on_one_rank(runs, tmp_path):
                    "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "4",
                    "--generation_batches", "2", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
                    "--max_steps", "2", "--num_warmup_steps", "0", "--actor_zero_stage", "2",
-                   "--dtype", "fp32", "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
+                   "--dtype", "fp32", "--data_output_path", str(tmp_path / "data"),
+                   "--output_dir", str(tmp_path / "out")]
     env = dict(_env(), GROUP_LOG_DIR=str(tmp_path / "log"))
     cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / STEPS["step3"])]
     proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

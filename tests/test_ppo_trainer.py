@@ -104,7 +104,8 @@ def make_trainer(answers, scores, lr=0.5, ema=False, dropout=0.0, ema_beta=0.992
     tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None, decode=decode,
                                 batch_decode=lambda rows, **kw: [decode(r, **kw) for r in rows])
     engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr),
-                             ref=FakeEngine(TinyLM()), critic=FakeEngine(FakeRewardModel(scores), lr=lr) if critic else None,
+                             ref=FakeEngine(TinyLM()),
+                             critic=FakeEngine(FakeRewardModel(scores), lr=lr) if critic else None,
                              reward=FakeEngine(FakeRewardModel(scores)) if reward_model else None,
                              actor_ema=FakeEngine(TinyLM(seed=1)) if ema else None, tokenizer=tokenizer)
     ppo = ppo or PPOConfig(ema_beta=ema_beta, unsup_coef=unsup_coef)
@@ -274,7 +275,8 @@ def test_a_prompts_answers_stay_together_as_one_group():
                                    do_sample=True)
     rollout = trainer.generate(PROMPTS, PROMPT_MASK, ["p0", "p1", "p2"], [{"i": 0}, {"i": 1}, {"i": 2}], step=1)
     assert rollout.prompts.tolist() == PROMPTS.repeat_interleave(2, 0).tolist() and rollout.group_size == 2
-    assert rollout.prompt_text == ["p0", "p0", "p1", "p1", "p2", "p2"] and [r["i"] for r in rollout.rows] == [0, 0, 1, 1, 2, 2]
+    assert rollout.prompt_text == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert [r["i"] for r in rollout.rows] == [0, 0, 1, 1, 2, 2]
     assert rollout.values is None  # no critic
     rollout.scores = trainer.score(rollout)
     assert rollout.scores.tolist() == [1, 0, 0, 1, 1, 0]

@@ -97,6 +97,25 @@ def test_forward_pairwise_scores_at_last_answer_token_opt(opt):
     assert torch.allclose(end, torch.stack([out["chosen_mean_scores"][0], out["rejected_mean_scores"][0]]))
 
 
+def test_end_score_loss_reads_only_the_end_scores(opt):
+    """--reward_loss end (InstructGPT's): -log σ(chosen end score - rejected end score), the span loss otherwise."""
+    model, tok = opt
+    batch = _tokenize(tok, [PROMPT + GOOD + tok.eos_token, PROMPT + BAD + tok.eos_token])
+    with torch.no_grad():
+        span = model(**batch)
+        model.loss = "end"
+        try:
+            end = model(**batch)
+        finally:
+            model.loss = "span"
+    c, r = span["chosen_mean_scores"], span["rejected_mean_scores"]
+    assert torch.allclose(end["loss"], torch.nn.functional.softplus(r - c).mean())  # -log σ(c - r) = softplus(r - c)
+    assert not torch.allclose(end["loss"], span["loss"])  # the span loss averages other positions too
+    assert torch.equal(end["chosen_mean_scores"], c)
+    with pytest.raises(ValueError, match="unknown reward loss 'mean'"):
+        type(model)(model.rwtransformer, tok, 1, loss="mean")
+
+
 def test_forward_value_padding_does_not_change_scores(opt):
     model, tok = opt
     eot = tok.eos_token

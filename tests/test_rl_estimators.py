@@ -67,7 +67,8 @@ def test_dropped_answers_leave_their_group():
     valid = t([1, 1, 0, 1, 0, 0])
     # group 1 without its third answer (nan there never counts): 1, 2 -> grpo ±0.5 / sqrt(0.5); rloo ±1
     scores = t([1, 2, float("nan"), 7, 8, 9])
-    assert_close(grpo_advantages(scores, 3, valid, eps=0.0), t([-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), 0, 0, 0, 0]))
+    half = 0.5 / math.sqrt(0.5)
+    assert_close(grpo_advantages(scores, 3, valid, eps=0.0), t([-half, half, 0, 0, 0, 0]))
     assert_close(rloo_advantages(scores, 3, valid), t([-1, 1, 0, 0, 0, 0]))
     # group 2 has one valid answer: nothing to compare with -> 0 for everyone
     assert_close(dr_grpo_advantages(scores, 3, valid), t([-0.5, 0.5, 0, 0, 0, 0]))

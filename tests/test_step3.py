@@ -119,3 +119,21 @@ def test_each_critic_free_estimator_end_to_end(step12, tmp_path, estimator):
         assert r["kl"] >= 0 and math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"])
         if estimator != "rloo":  # the built-in rule alone: a score in [0, 1]
             assert 0 <= r["reward"] <= 1
+
+
+@pytest.mark.slow
+def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
+    """GRPO scored by --reward_fn gsm8k on the real GSM8K test file: the rows' "#### N" answers reach the function
+    (a random actor scores 0, and a reward outside [0, 1] or a missing reference would stop the run)."""
+    from tests.conftest import shared_data
+
+    data = shared_data("gsm8k", "test.jsonl")
+    proc = _ok(run_entry(
+        STEP3, "--data_path", data, "--data_split", "0,0,1", "--data_output_path", tmp_path / "data",
+        "--actor_model_name_or_path", "tiny-opt", "--output_dir", tmp_path / "out", "--advantage_estimator", "grpo",
+        "--n_samples_per_prompt", 2, "--do_sample", "--reward_fn", "gsm8k", "--max_prompt_seq_len", 128,
+        "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 2, "--per_device_training_batch_size", 4,
+        "--max_steps", 1, env=OMP))
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward"] for r in rows if r["phase"] == "train"] == [0.0]
+    assert "Running RL (grpo, critic-free, 2 answer(s) per prompt)" in proc.stdout + proc.stderr

@@ -83,7 +83,7 @@ def test_per_size_script_used_on_gpus_when_present(tmp_path, monkeypatch):
 def test_pass_through_args_come_last_and_win(tmp_path):
     cmd = plan_for(["--step", "1", "--demo", "--output-dir", str(tmp_path),
                     "--step1-args", "--max_steps 2 --learning_rate 0.5"])[0].cmd
-    assert flag(cmd, "--data_path") == "builtin/preference"  # from the demo settings
+    assert flag(cmd, "--data_path") == "builtin/demonstrations"  # from the demo settings
     assert flag(cmd, "--learning_rate") == "0.5"  # the user's flag overrides the demo's 1e-3
     assert cmd[-4:] == ["--max_steps", "2", "--learning_rate", "0.5"]
 
@@ -177,14 +177,35 @@ def test_demo_defaults_to_tiny_llama_and_a_users_model_wins():
 def test_demo_reward_model_starts_from_the_step1_actor(tmp_path):
     plan = plan_for(["--demo", "--output-dir", str(tmp_path)])
     actor = str(tmp_path / "actor-models" / "tiny-llama")
-    assert flag(plan[1].cmd, "--model_name_or_path") == actor and plan[1].needs == [(1, actor)]
+    assert flag(plan[2].cmd, "--model_name_or_path") == actor and plan[2].needs == [(1, actor)]
     assert flag(plan_for(["--output-dir", str(tmp_path)])[1].cmd, "--model_name_or_path") == "tiny-opt"
     res = run_entry("train.py", "--demo", "--step", "2", "--output-dir", tmp_path)  # no step-1 actor yet
     assert res.returncode == 2 and "step 2 needs the step-1 model" in res.stderr
 
 
+def test_demo_collects_comparisons_from_the_step1_actor_for_step2(tmp_path):
+    """--demo (or --label-fn) puts the collector between steps 1 and 2; step 2 trains on all its comparisons."""
+    plan = plan_for(["--demo", "--output-dir", str(tmp_path)])
+    actor, comparisons = str(tmp_path / "actor-models" / "tiny-llama"), str(tmp_path / "comparisons" / "tiny-llama")
+    assert [launch.step.script for launch in plan] == ["main.py", "collect_comparisons.py", "main.py", "main.py"]
+    collect = plan[1]
+    assert collect.cmd[1].endswith("step2_reward_model_finetuning/collect_comparisons.py")
+    assert collect.out_dir == comparisons and collect.needs == [(1, actor)]
+    assert flag(collect.cmd, "--actor_model_name_or_path") == actor
+    assert flag(collect.cmd, "--label_fn") == "builtin_preference"
+    assert flag(collect.cmd, "--data_path") == "builtin/demonstrations"  # step 1's data
+    assert (flag(plan[2].cmd, "--data_path"), flag(plan[2].cmd, "--data_split")) == (comparisons, "0,1,0")
+    # a user's own labeller, without --demo; --collect-args come last
+    plan = plan_for(["--label-fn", "my.py:rank", "--collect-args", "--num_answers 6", "--output-dir", str(tmp_path),
+                     "--step1-args", "--data_path my.jsonl"])
+    assert flag(plan[1].cmd, "--label_fn") == "my.py:rank" and plan[1].cmd[-2:] == ["--num_answers", "6"]
+    assert flag(plan[1].cmd, "--data_path") == "my.jsonl"
+    no_labeller = plan_for(["--output-dir", str(tmp_path)])
+    assert [launch.step.script for launch in no_labeller] == ["main.py"] * 3
+
+
 def test_held_out_check_runs_only_on_builtin_data():
-    assert train.builtin_dataset(train.parse_args(["--demo"])) == "builtin/preference"
+    assert train.builtin_dataset(train.parse_args(["--demo"])) == "builtin/demonstrations"
     assert train.builtin_dataset(train.parse_args([])) is None
     args = train.parse_args(["--step", "2", "--step2-args", "--data_path local/jsonfile builtin/preference-small"])
     assert train.builtin_dataset(args) == "builtin/preference-small"

@@ -31,7 +31,7 @@ import importlib.util
 import math
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from utils.errors import UserInputError
 
@@ -42,22 +42,8 @@ RewardFn = Callable[[List[str], List[str], List[dict]], Sequence[float]]
 
 # --------------------------------------------------------------------------- built-in functions
 
-def builtin_rule(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
-    """The built-in task's rule score of each answer (fraction of the four checks it passes)."""
-    from utils.data.rule_score import asked_object, rule_score
-
-    scores = []
-    for prompt, answer in zip(prompts, answers):
-        noun = asked_object(prompt)
-        if noun is None:
-            raise ValueError(f"not a built-in prompt (no object to describe): {prompt.strip()[:80]!r}")
-        scores.append(rule_score(answer, noun))
-    return scores
-
-
-def builtin_preference(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
-    """The built-in task's preference score of each answer (good words, −2 another object, −6 broken)."""
-    from utils.data.builtin import quality
+def _score_builtin(score, prompts: List[str], answers: List[str]) -> List[float]:
+    """``score(answer, object asked about)`` for each answer to a built-in prompt (another prompt: ValueError)."""
     from utils.data.rule_score import asked_object
 
     scores = []
@@ -65,8 +51,22 @@ def builtin_preference(prompts: List[str], answers: List[str], rows: List[dict])
         noun = asked_object(prompt)
         if noun is None:
             raise ValueError(f"not a built-in prompt (no object to describe): {prompt.strip()[:80]!r}")
-        scores.append(float(quality(answer, noun)))
+        scores.append(float(score(answer, noun)))
     return scores
+
+
+def builtin_rule(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The built-in task's rule score of each answer (fraction of the four checks it passes)."""
+    from utils.data.rule_score import rule_score
+
+    return _score_builtin(rule_score, prompts, answers)
+
+
+def builtin_preference(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The built-in task's preference score of each answer (good words, −2 another object, −6 broken)."""
+    from utils.data.builtin import quality
+
+    return _score_builtin(quality, prompts, answers)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -123,7 +123,8 @@ def _check_builtin_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
 
 BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k}
 # Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
-ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows, "gsm8k": _check_gsm8k_rows}
+ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows,
+              "gsm8k": _check_gsm8k_rows}
 
 
 # --------------------------------------------------------------------------- loading

@@ -146,7 +146,7 @@ def create_dataset(local_rank, dataset_name, data_split, output_path, train_phas
 
 def phase_prompts(data_path, data_split, output_path, phase, seed, local_rank=-1) -> dict:
     """``{"train": [(prompt, row)], "eval": [...]}``: the text prompts of ``phase``'s rows of every dataset (rows as
-    :func:`portable_row`), untokenised — what the comparison collector answers. Rows with a blank prompt are left out."""
+    :func:`portable_row`), untokenised — what the comparison collector answers. Blank prompts are left out."""
     out = {"train": [], "eval": []}
     for name in data_path:
         raw = get_raw_dataset(name, output_path, seed, local_rank)

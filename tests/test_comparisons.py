@@ -1,0 +1,92 @@
+"""Comparisons of the actor's own answers (utils/data/comparisons.py, step2_reward_model_finetuning/
+collect_comparisons.py): the pairs by hand, a real collection read by step 2, and a labelling function that
+fails, each one clear line with nothing half-written."""
+import json
+
+import pytest
+
+from tests.conftest import run_entry
+from utils.data.builtin import quality
+from utils.data.comparisons import ranked_pairs
+from utils.data.rule_score import asked_object
+
+COLLECT = "step2_reward_model_finetuning/collect_comparisons.py"
+OMP = {"OMP_NUM_THREADS": "1"}
+
+
+def test_ranked_pairs_by_hand():
+    # "a" twice (first score kept), "c" ties with "a": pairs (a, b) and (b, c), the better one chosen
+    pairs = ranked_pairs("P", ["a", "b", "a", " c"], [1, 3, 2, 1])
+    assert [(p["chosen"], p["rejected"], p["chosen_score"], p["rejected_score"]) for p in pairs] == \
+        [(" b", " a", 3.0, 1.0), (" b", " c", 3.0, 1.0)]
+    assert all(p["prompt"] == "P" for p in pairs)
+    assert ranked_pairs("P", ["x", "y"], [2, 2]) == []  # all tied: no pair
+    assert len(ranked_pairs("P", list("abcd"), [4, 3, 2, 1])) == 6  # K·(K−1)/2
+    assert ranked_pairs("P", ["", "  ", "z"], [9, 8, 1]) == []  # empty answers are not compared
+
+
+def base(tmp_path, *extra):
+    return ["--actor_model_name_or_path", "tiny-llama", "--data_path", "builtin/demonstrations-small",
+            "--data_output_path", tmp_path / "data", "--num_answers", 3, "--max_prompts", 12, "--max_eval_prompts",
+            4, "--max_new_tokens", 12, "--output_dir", tmp_path / "out", *extra]
+
+
+@pytest.mark.slow
+def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_path):
+    proc = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference"), env=OMP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "comparisons.json").read_text())
+    files = ["comparisons.json", "eval.jsonl", "train.jsonl"] if report["eval"]["pairs"] else \
+        ["comparisons.json", "train.jsonl"]  # a random actor's eval answers may all tie: step 2 splits 9:1
+    assert sorted(p.name for p in out.iterdir()) == files
+    assert report["train"]["prompts"] == 12 and report["eval"]["prompts"] == 4 and report["train"]["answers"] == 36
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == report["train"]["pairs"] > 0
+    for row in rows:  # the labeller's order, recomputed
+        noun = asked_object(row["prompt"])
+        assert quality(row["chosen"], noun) == row["chosen_score"] > row["rejected_score"] == \
+            quality(row["rejected"], noun)
+    again = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference"), env=OMP)
+    assert again.returncode == 2 and "already holds comparisons" in again.stderr  # no silent overwrite
+    step2 = run_entry("step2_reward_model_finetuning/main.py", "--model_name_or_path", "tiny-llama", "--data_path",
+                      out, "--data_split", "0,1,0", "--data_output_path", tmp_path / "data", "--output_dir",
+                      tmp_path / "rm", "--max_seq_len", 64, "--max_steps", 2, "--num_padding_at_beginning", 0,
+                      "--reward_loss", "end", env=OMP)
+    assert step2.returncode == 0, step2.stderr[-3000:]
+    assert (tmp_path / "rm" / "reward_model.json").is_file()
+
+
+LABELLERS = {
+    "raises": ("def label(prompts, answers, rows):\n    raise KeyError('score')\n",
+               "--label_fn {f}:label raised KeyError: 'score' on row 0 (prompt"),
+    "wrong_count": ("def label(prompts, answers, rows):\n    return [0.0, 1.0]\n",
+                    "--label_fn {f}:label returned 2 scores for 36 answers"),
+    "nan": ("def label(prompts, answers, rows):\n    return [float('nan')] * len(answers)\n",
+            "--label_fn {f}:label returned nan for row 0"),
+    "all_tied": ("def label(prompts, answers, rows):\n    return [1.0] * len(answers)\n",
+                 "gave every answer of every prompt the same score: no pair to train on"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(LABELLERS))
+def test_a_labelling_function_that_fails_is_refused_in_one_line(tmp_path, case):
+    code, message = LABELLERS[case]
+    labeller = tmp_path / "labeller.py"
+    labeller.write_text(code)
+    proc = run_entry(COLLECT, *base(tmp_path, "--label_fn", f"{labeller}:label"), env=OMP)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+    assert len(errors) == 1 and message.format(f=labeller) in errors[0], errors
+    assert not (tmp_path / "out").exists()  # nothing half-written
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+def test_bad_collector_flags_are_refused_before_any_model(tmp_path):
+    for extra, message in ((["--num_answers", "1"], "--num_answers must be ≥ 2"),
+                           (["--label_fn", "nope"], "--label_fn nope: unknown reward function"),
+                           (["--top_p", "0"], "sampling needs")):
+        args = base(tmp_path, *extra) + ([] if "--label_fn" in extra else ["--label_fn", "builtin_rule"])
+        proc = run_entry(COLLECT, *args, env=OMP)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
