@@ -179,3 +179,70 @@ def test_train_py_hands_step_args_overwrite_and_hostfile_to_each_per_size_script
             assert "--hostfile" not in launcher_args
     if deployment == "multi_node":
         assert all(launch.command_line.startswith(f"HOSTFILE={hostfile} bash ") for launch in plan)
+
+
+# --------------------------------------------------------------------------- DeepSpeed-Chat's step-3 sweep
+
+def sweep_flags(zero, hybrid_engine, offload, lora, mixed_precision_lora, output="out"):
+    """The main.py flags DeepSpeed-Chat's step-3 sweep (training_scripts/opt/single_node/sweep/run_single.sh)
+    passes in test mode, as its tests/test_training.py runs it (test_stop_step 5)."""
+    flags = ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--actor_model_name_or_path", "actor",
+             "--critic_model_name_or_path", "critic", "--num_padding_at_beginning", "1",
+             "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+             "--generation_batches", "1", "--ppo_epochs", "1", "--max_answer_seq_len", "256",
+             "--max_prompt_seq_len", "256", "--actor_learning_rate", "9.65e-6", "--critic_learning_rate", "5e-6",
+             "--num_train_epochs", "1", "--lr_scheduler_type", "cosine", "--gradient_accumulation_steps", "1",
+             "--actor_weight_decay", "0", "--critic_weight_decay", "0", "--num_warmup_steps", "100", "--deepspeed",
+             "--seed", "1234", "--actor_dropout", "0.0", "--print_answers", "--actor_zero_stage", str(zero),
+             "--critic_zero_stage", str(zero), "--output_dir", output]
+    flags += ["--enable_hybrid_engine"] if hybrid_engine else []
+    flags += ["--offload"] if offload else []
+    flags += ["--enable_mixed_precision_lora"] if mixed_precision_lora else []
+    flags += ["--actor_lora_dim", "128", "--actor_lora_module_name", "decoder.layers."] if lora else \
+        ["--actor_lora_dim", "0"]
+    return flags + ["--enable_test_mode", "--test_stop_step", "5"]
+
+
+SWEEP = [(z, he, off, lora, False) for z in (2, 3) for he in (True, False) for off in (True, False)
+         for lora in (True, False)] + [(3, he, False, True, True) for he in (True, False)]
+
+
+@pytest.mark.parametrize("zero,hybrid_engine,offload,lora,mixed_precision_lora", SWEEP)
+def test_step3_accepts_the_reference_sweep_in_test_mode(zero, hybrid_engine, offload, lora, mixed_precision_lora):
+    from step3_rlhf_finetuning.main import parse_args, validate_step3
+    from utils.compat import check_zero_combination
+    from utils.errors import UserInputError
+
+    flags = sweep_flags(zero, hybrid_engine, offload, lora, mixed_precision_lora)
+    args = parse_args(flags)
+    # test mode is --max_steps N --num_train_epochs 1: the same arguments otherwise
+    plain = parse_args([f for f in flags if f not in ("--enable_test_mode", "--test_stop_step", "5")]
+                       + ["--max_steps", "5"])
+    assert (args.max_steps, args.num_train_epochs) == (5, 1)
+    def others(a):
+        return {k: v for k, v in vars(a).items() if k not in ("enable_test_mode", "test_stop_step")}
+
+    assert others(args) == others(plain)
+    if (zero, hybrid_engine, offload, lora) == (2, True, True, False):  # the combination its test skips too
+        with pytest.raises(UserInputError, match="unsupported"):
+            validate_step3(args)
+        return
+    validate_step3(args)
+    check_zero_combination(args)
+
+
+def test_test_mode_flags():
+    from step3_rlhf_finetuning.main import parse_args, validate_step3
+    from utils.errors import UserInputError
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+    args = parse_args(base + ["--enable_test_mode", "--num_train_epochs", "3"])  # no stop step: one epoch
+    assert (args.max_steps, args.num_train_epochs) == (0, 1)
+    args = parse_args(base + ["--enable_test_mode", "--test_stop_step", "7", "--max_steps", "4"])
+    assert args.max_steps == 4  # the smaller limit
+    args = parse_args(base + ["--num_train_epochs", "3"])
+    assert (args.max_steps, args.num_train_epochs) == (0, 3)  # off by default
+    for flags, message in ((["--test_stop_step", "5"], "needs --enable_test_mode"),
+                           (["--enable_test_mode", "--test_stop_step", "-1"], "must be ≥ 0")):
+        with pytest.raises(UserInputError, match=message):
+            validate_step3(parse_args(base + flags))
