@@ -48,6 +48,7 @@ def parse_args(argv=None):
                    help="Conservative DPO: assumed probability that a preference label is flipped.")
     add_offload_reference_arg(g)
     add_eval_args(g)
+    parser.set_defaults(eval_iters=0)  # DeepSpeed-Chat's DPO evaluates the whole eval split (its step 2: 100 batches)
     return parser.parse_args(argv)
 
 
