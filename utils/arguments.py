@@ -47,7 +47,9 @@ def add_data_args(parser: argparse.ArgumentParser):
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token to the tokenizer as a special token.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                   help="End-of-text token appended to every training text.")
+                   help="End-of-text token appended to every chosen and rejected text of step 2 and DPO (step 1 "
+                        "appends the tokenizer's EOS token instead, as DeepSpeed-Chat does); with --add_eot_token "
+                        "step 3's answers also end at it.")
     return g
 
 
