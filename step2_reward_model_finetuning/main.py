@@ -21,10 +21,9 @@ from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import check_finite
+from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
-from utils.model.model_utils import load_hf_tokenizer
 from utils.model.reward_model import count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight

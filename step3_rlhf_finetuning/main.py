@@ -45,7 +45,8 @@ from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
 from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import UserInputError, check_finite
+from utils.errors import UserInputError
+from utils.finite import check_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
 from utils.model.model_utils import save_hf_format
