@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="single_node: GPUs to use (default: all).")
     p.add_argument("--cpu-ranks", type=int, default=1,
                    help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
-    p.add_argument("--hostfile", default="/job/hostfile", help="multi_node: DeepSpeed hostfile.")
+    p.add_argument("--hostfile", default="/job/hostfile",
+                   help="multi_node: DeepSpeed hostfile (one \"host slots=N\" line per node; DeepSpeed's default).")
     for n in STEPS:
         p.add_argument(f"--step{n}-args", default="", metavar="ARGS",
                        help=f"Extra flags for step {n}'s main.py, one quoted string (they win over train.py's).")
@@ -193,6 +194,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
+    args.hostfile = os.path.abspath(args.hostfile)  # the steps run in the repository folder
     args.actor_model = args.actor_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
     args.reward_model = args.reward_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
     args.actor = parse_model(args.actor_model)
@@ -211,10 +213,16 @@ class Launch:
     needs: list = field(default_factory=list)  # (step number, folder) that must hold a model first
     note: str = ""
     tee: bool = True  # False: the per-size script writes training.log itself
+    env: dict = field(default_factory=dict)  # set for this step only (a per-size script's HOSTFILE)
 
     @property
     def log_path(self) -> str:
         return os.path.join(self.out_dir, "training.log")
+
+    @property
+    def command_line(self) -> str:
+        """The command as a shell would run it, ``env`` first."""
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.cmd)])
 
 
 def step_output_dir(args, n: int) -> str:
@@ -378,8 +386,9 @@ def plan_step(args, n: int, gpus: int) -> Launch:
                           zero(args.reward_zero_stage), out]
         else:
             positional = [out, zero(args.actor_zero_stage if n == 1 else args.reward_zero_stage)]
+        env = {"HOSTFILE": args.hostfile} if args.deployment_type == "multi_node" else {}
         return Launch(step, ["bash", script, *positional, *extra_flags(args, n)], out, needs,
-                      note=f"per-size script {os.path.relpath(script, REPO)}", tee=False)
+                      note=f"per-size script {os.path.relpath(script, REPO)}", tee=False, env=env)
     prefix, note = launcher_prefix(args, gpus)
     main_py = os.path.join(REPO, step.folder, "main.py")
     return Launch(step, [*prefix, main_py, *step_flags(args, n), *extra_flags(args, n)], out, needs, note)
@@ -519,7 +528,7 @@ def looks_out_of_memory(launch: Launch, rc: int) -> bool:
 def failure_message(launch: Launch, rc: int) -> str:
     """What failed and where its log is; memory advice only when it looks like memory, not after bad input."""
     lines = [f"error: step {launch.step.number} ({launch.step.title}) failed with exit status {rc}",
-             f"  log: {launch.log_path}", f"  command: {shlex.join(launch.cmd)}"]
+             f"  log: {launch.log_path}", f"  command: {launch.command_line}"]
     if rc == BAD_INPUT:
         lines.append("  the step refused its input: see its error line above")
     elif rc == DIVERGED:
@@ -546,9 +555,9 @@ def run_step(args, launch: Launch, env: dict) -> float:
     """
     os.makedirs(launch.out_dir, exist_ok=True)
     print(f"---=== Running Step {launch.step.number}: {launch.step.title} ({launch.note}) ===---", flush=True)
-    print(f"$ {shlex.join(launch.cmd)}", flush=True)
+    print(f"$ {launch.command_line}", flush=True)
     start = time.time()
-    rc = run_logged(launch.cmd, launch.log_path if launch.tee else None, env)
+    rc = run_logged(launch.cmd, launch.log_path if launch.tee else None, {**env, **launch.env})
     elapsed = time.time() - start
     if rc in (INTERRUPTED, -signal.SIGINT):
         print(interrupted_message(args, launch), file=sys.stderr, flush=True)
@@ -627,7 +636,7 @@ def main(args) -> int:
     if args.dry_run:
         for launch in plan:
             print(f"# step {launch.step.number}: {launch.step.title} ({launch.note}); log: {launch.log_path}")
-            print(shlex.join(launch.cmd))
+            print(launch.command_line)
         return 0
     try:
         check_inputs(args, plan)

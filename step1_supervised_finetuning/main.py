@@ -21,7 +21,7 @@ from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import check_finite
+from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line

@@ -27,7 +27,8 @@ from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import UserInputError, check_finite
+from utils.errors import UserInputError
+from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
@@ -48,6 +49,7 @@ def parse_args(argv=None):
                    help="Conservative DPO: assumed probability that a preference label is flipped.")
     add_offload_reference_arg(g)
     add_eval_args(g)
+    parser.set_defaults(eval_iters=0)  # DeepSpeed-Chat's DPO evaluates the whole eval split (its step 2: 100 batches)
     return parser.parse_args(argv)
 
 

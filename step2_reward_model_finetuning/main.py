@@ -21,7 +21,7 @@ from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import check_finite
+from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads

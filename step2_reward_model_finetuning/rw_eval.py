@@ -17,8 +17,9 @@ import argparse
 import json
 import os
 
-from utils.errors import UserInputError
 from utils.entrypoint import run_main
+from utils.errors import UserInputError
+from utils.model.scoring import accuracy_by_kind, score_texts
 
 
 def parse_args(argv=None):
@@ -75,36 +76,6 @@ def read_rows(path: str) -> list:
     if not rows:
         raise UserInputError(f"--input_file {path}: no rows")
     return rows
-
-
-def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu") -> list:
-    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer); list of floats."""
-    import torch
-
-    scores = []
-    for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i:i + batch_size]
-        batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len, padding=True,
-                          return_tensors="pt")  # right padding (load_hf_tokenizer)
-        prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
-                                       for p, _ in chunk])
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        with torch.no_grad():
-            out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      prompt_length=prompt_lengths.to(device))
-        scores.extend(out["chosen_end_scores"].float().tolist())
-    return scores
-
-
-def accuracy_by_kind(kinds: list, chosen_scores: list, rejected_scores: list) -> dict:
-    """``{"overall": acc, kind: acc, ...}``: share of pairs with chosen > rejected, overall and per kind."""
-    groups = {"overall": []}
-    for kind, c, r in zip(kinds, chosen_scores, rejected_scores):
-        correct = c > r
-        groups["overall"].append(correct)
-        if kind is not None:
-            groups.setdefault(kind, []).append(correct)
-    return {kind: sum(v) / len(v) for kind, v in groups.items() if v}
 
 
 def _short(text: str, n: int = 60) -> str:

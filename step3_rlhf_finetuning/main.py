@@ -37,15 +37,16 @@ from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
-                             add_rlhf_role_args, add_run_args, add_sampling_args, add_trust_remote_code_arg,
-                             check_sampling_args, validate_common)
+                             add_rlhf_role_args, add_run_args, add_sampling_args, add_test_mode_args,
+                             add_trust_remote_code_arg, apply_test_mode, check_sampling_args, validate_common)
 from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
 from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import UserInputError, check_finite
+from utils.errors import UserInputError
+from utils.finite import check_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
 from utils.model.model_utils import save_hf_format
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppo_epochs", type=int, default=ppo["ppo_epochs"],
                    help="Passes of training over each round's experience.")
     add_run_args(g, unit="RL steps", output="actor/, critic/ and actor_ema/ are")
+    add_test_mode_args(g)
     g.add_argument("--kl_ctl", type=float, default=ppo["kl_ctl"], help="KL penalty coefficient β.")
     g.add_argument("--clip_reward_value", type=float, default=ppo["clip_reward_value"],
                    help="Scores are clipped to ±this.")
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     args.advantage_estimator = ESTIMATOR_ALIASES.get(args.advantage_estimator, args.advantage_estimator)
+    apply_test_mode(args)
     return args
 
 

@@ -16,7 +16,8 @@ import torch
 from utils import fault_injection
 from utils.checkpoint import (MANIFEST, STATE, CheckpointManager, EpochSampler, ModuleState,
                               resumable_loader, rng_state, set_rng_state, verify_manifest, write_manifest)
-from utils.errors import TrainingDiverged, UserInputError, check_finite
+from utils.errors import TrainingDiverged, UserInputError
+from utils.finite import check_finite
 
 
 class FakeEngine:

@@ -282,3 +282,43 @@ def test_one_dataset_is_shuffled_like_a_blend():
     one = du._concat_shuffled([du.PromptDataset(list(range(10)), 2, {"skipped": {"empty": 1}})], 1234, 2)
     assert sorted(one.samples) == list(range(10)) and one.samples != list(range(10))
     assert one.samples == [7, 2, 9, 1, 0, 8, 4, 5, 6, 3] and one.stats == {"kept": 10, "skipped": {"empty": 1}}
+
+
+def test_sft_only_sets_are_mixed_in_after_the_blend_as_the_reference():
+    """As DeepSpeed-Chat: the --data_path sets are concatenated and shuffled with the seed, then the
+    --sft_only_data_path sets are appended and the whole is shuffled again with the seed (a single shuffle of
+    everything, as before, gave [101, 2, 1, 0, 100, 10, 11, 12, 3])."""
+    def dataset(rows):
+        return du.PromptDataset(list(rows), 1, {"skipped": {}})
+
+    data, sft = [dataset([0, 1, 2, 3]), dataset([10, 11, 12])], [dataset([100, 101])]
+    # RandomState(1234).shuffle(arange(7)) orders the blend [2, 1, 12, 0, 10, 11, 3]; with the sft rows appended,
+    # RandomState(1234).shuffle(arange(9)) = [8, 2, 1, 0, 7, 4, 5, 6, 3] picks:
+    assert du.blend(data, [], SEED, 1).samples == [2, 1, 12, 0, 10, 11, 3]
+    assert du.blend(data, sft, SEED, 1).samples == [101, 12, 1, 2, 100, 10, 11, 3, 0]
+
+
+class CharTokenizer:
+    """One id per character, BOS 0 first in each row (as OPT's tokenizer adds its BOS)."""
+
+    def __call__(self, texts):
+        return {"input_ids": [[0] + [ord(c) for c in text] for text in texts]}
+
+
+def test_unsupervised_text_drops_blank_rows_and_packs_one_stream(tmp_path):
+    """Deliberate difference (step 3's --unsupervised_dataset_name): DeepSpeed-Chat keeps blank rows (each a lone
+    BOS token) and packs every 1000-row `datasets.map` batch on its own, dropping each
+    batch's tail (or keeping a batch shorter than a block as one short sample); here blank rows are dropped and the
+    whole stream is packed, only its last tail dropped."""
+    from utils.data.unsupervised import TOKENIZE_BATCH, get_unsupervised_data, pack_tokens
+
+    write_jsonl(tmp_path / "text.jsonl", [{"text": "ab"}, {"text": ""}, {"text": " "}, {"text": "cd"}])
+    data = get_unsupervised_data(str(tmp_path / "text.jsonl"), None, CharTokenizer(), block_size=3,
+                                 log=lambda m: None)
+    # [0 a b] [0 c d]; with the blank rows kept: [0 a b 0 0 32 0 c d] -> [0 a b] [0 0 32] [0 c d]
+    assert [data[i]["input_ids"].tolist() for i in range(len(data))] == [[0, 97, 98], [0, 99, 100]]
+    # 1001 rows of 2 tokens = 2002 tokens: 667 full blocks of 3 across the 1000-row boundary (per-batch packing
+    # gives 666 blocks from the first 1000 rows' 2000 tokens, then the last row as a short [0, 97] sample)
+    assert TOKENIZE_BATCH == 1000
+    blocks = pack_tokens(["a"] * 1001, CharTokenizer(), block_size=3)
+    assert blocks.shape == (667, 3) and blocks[-1].tolist() == [0, 97, 0]  # tokens 1998-2000 of 0-2001

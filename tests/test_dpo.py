@@ -21,6 +21,31 @@ def test_dpo_loss_mask_drops_shared_prefix_keeps_eos():
                                                 [0, 0, 1, 1, 0, 0]]
 
 
+class CountingLM(torch.nn.Module):
+    """Uniform next-token logits over 4 tokens; counts its forward calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        self.calls += 1
+        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 4)})()
+
+
+def test_dpo_evaluates_the_whole_eval_split_by_default_as_the_reference():
+    """DeepSpeed-Chat's DPO evaluates every eval batch (its reward-model step stops at --eval_iters 100)."""
+    from step2_dpo_finetuning.main import evaluate_dpo, parse_args
+    from step2_reward_model_finetuning.main import parse_args as step2_args
+
+    assert (parse_args([]).eval_iters, step2_args([]).eval_iters) == (0, 100)
+    pair = {"input_ids": torch.tensor([[1, 2, 3], [1, 2, 0]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    model, ref = CountingLM(), CountingLM()
+    metrics = evaluate_dpo(model, ref, [pair] * 150, torch.device("cpu"), parse_args([]).eval_iters, 0.1, 0.0)
+    assert model.calls == ref.calls == 150
+    assert metrics["loss"] == pytest.approx(0.6931, abs=1e-4)  # equal policies: -log σ(0)
+
+
 @pytest.mark.slow
 def test_dpo_margin_grows_and_saves_a_causal_lm(tmp_path):
     out = tmp_path / "dpo"

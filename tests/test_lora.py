@@ -178,3 +178,40 @@ def test_unmatched_module_name_is_a_user_error(model):
     with pytest.raises(UserInputError, match="--lora_module_name 'transformer.h.' matches no nn.Linear"):
         convert_linear_layer_to_lora(model, "transformer.h.", lora_dim=8)
     assert not lora_layers(model)
+
+
+def test_reward_model_lora_only_training_reaches_the_factors_through_checkpointing():
+    """A fix: DeepSpeed-Chat's step 2 calls make_model_gradient_checkpointing_compatible on the RewardModel wrapper,
+    which has neither enable_input_require_grads nor get_input_embeddings, so it does nothing: under reentrant
+    checkpointing (without transformers' own input hook, which recent versions add) LoRA-only training updates the
+    value head alone. apply_lora hooks the backbone."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from utils.lora import apply_lora
+    from utils.model.critic import create_critic_model
+    from utils.model.model_utils import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-opt")
+    batch = tok([" Human: Describe the lamp. Assistant: The lamp is bright." + tok.eos_token,
+                 " Human: Describe the lamp. Assistant: No." + tok.eos_token], padding=True, return_tensors="pt")
+    torch.manual_seed(0)
+    ours = create_critic_model("tiny-opt", tok, None, num_padding_at_beginning=1)
+    reference = copy.deepcopy(ours)
+    apply_lora(ours, "decoder.layers.", 4, only_optimize=True, force_optimize=("v_head",))
+    convert_linear_layer_to_lora(reference, "decoder.layers.", lora_dim=4)  # DeepSpeed-Chat's three calls
+    only_optimize_lora_parameters(reference, ("v_head",))
+    make_model_gradient_checkpointing_compatible(reference)
+
+    def lora_grads(model):
+        model.rwtransformer._set_gradient_checkpointing(  # reentrant, without transformers' input hook
+            enable=True, gradient_checkpointing_func=functools.partial(checkpoint, use_reentrant=True))
+        model.train()
+        model(**batch)["loss"].backward()
+        assert model.v_head.weight.grad is not None
+        return [layer.lora_left_weight.grad for layer in lora_layers(model)]
+
+    assert all(g is not None and g.abs().sum() > 0 for g in lora_grads(ours))
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        assert all(g is None for g in lora_grads(reference))

@@ -77,6 +77,43 @@ def test_create_hf_model_resizes_to_multiple_of_8_and_applies_dropout(opt_dir):
     assert untouched.config.dropout == 0.1 and untouched.get_input_embeddings().weight.shape[0] == (n + 7) // 8 * 8
 
 
+def test_dropout_also_sets_gpt2_style_fields():
+    """Deliberate difference: DeepSpeed-Chat's --dropout sets only dropout, attention_dropout, hidden_dropout and
+    activation_dropout, so on a GPT-2-style config (resid_pdrop, embd_pdrop, attn_pdrop) it changed nothing."""
+    from transformers import GPT2Config, OPTConfig
+
+    gpt2 = mu.configure_dropout(GPT2Config(), 0.0)
+    assert (gpt2.resid_pdrop, gpt2.embd_pdrop, gpt2.attn_pdrop) == (0.0, 0.0, 0.0)  # 0.1 each by default
+    opt = mu.configure_dropout(OPTConfig(), 0.25)
+    assert (opt.dropout, opt.attention_dropout) == (0.25, 0.25)
+    assert not hasattr(opt, "resid_pdrop")  # no field is added where a model has none
+    assert mu.configure_dropout(GPT2Config(), None).resid_pdrop == 0.1  # None keeps the model's
+
+
+def test_saved_pad_id_is_the_tokenizers_so_the_eos_embedding_keeps_training(tmp_path):
+    """Deliberate difference: DeepSpeed-Chat saves config.pad_token_id = eos. A Llama-style model built from such a
+    folder (steps 2 and 3 start from step 1's) has padding_idx = EOS in its embedding, whose row then gets no
+    gradient; here the saved pad id is the tokenizer's pad (tiny-llama: 0, a real Llama's added [PAD]: 32000)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = mu.load_hf_tokenizer("tiny-llama")
+    assert tok.pad_token_id != tok.eos_token_id
+    mu.save_hf_format(mu.create_hf_model(AutoModelForCausalLM, "tiny-llama", tok), tok, str(tmp_path / "actor"))
+    config = AutoConfig.from_pretrained(tmp_path / "actor")
+    assert (config.pad_token_id, config.end_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    # two conversations in a row: the EOS is an input the next tokens' losses depend on
+    ids = torch.tensor([tok(" Human: Hi Assistant: Hello" + tok.eos_token + " Human: Bye Assistant: Bye")["input_ids"]])
+    assert tok.eos_token_id in ids[0, :-1]
+
+    def eos_row_grad(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+        return model.get_input_embeddings().weight.grad[tok.eos_token_id].abs().sum().item()
+
+    assert eos_row_grad(AutoModelForCausalLM.from_pretrained(tmp_path / "actor")) > 0
+    config.pad_token_id = config.eos_token_id  # DeepSpeed-Chat's rule
+    assert eos_row_grad(AutoModelForCausalLM.from_config(config)) == 0
+
+
 def test_missing_folder_and_folder_without_config(tmp_path):
     from transformers import AutoModelForCausalLM
 

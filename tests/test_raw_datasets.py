@@ -212,6 +212,7 @@ def test_nine_to_one_split(tmp_path):
 
 # --------------------------------------------------------------------------- local/jsonfile
 def test_local_jsonfile(tmp_path, monkeypatch):
+    """Deliberate difference: data/ of the current folder (DeepSpeed-Chat: data/ of its own checkout)."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserInputError) as e:
         rd.get_raw_dataset("local/jsonfile", str(tmp_path / "out"), 1234, -1)

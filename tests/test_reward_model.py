@@ -185,14 +185,15 @@ def test_save_load_round_trip_with_lora_fused(opt, tmp_path):
     assert tok2(PROMPT)["input_ids"] == tok(PROMPT)["input_ids"]
 
 
-def test_loads_reference_checkpoint_layout(opt, tmp_path):
-    """A DeepSpeed-Chat step-2 folder (pytorch_model.bin, 'rwtranrsformer.' keys, no marker) loads."""
+@pytest.mark.parametrize("prefix", ["rwtransformer.", "rwtranrsformer."])  # since / before its October 2023 fix
+def test_loads_reference_checkpoint_layout(opt, tmp_path, prefix):
+    """A DeepSpeed-Chat step-2 folder (pytorch_model.bin, no marker) loads, with either key prefix it has saved."""
     model, tok = opt
     folder = tmp_path / "ref"
     folder.mkdir()
     model.config.save_pretrained(folder)
     tok.save_pretrained(folder)
-    state = {k.replace("rwtransformer.", "rwtranrsformer."): v for k, v in model.state_dict().items()}
+    state = {k.replace("rwtransformer.", prefix): v for k, v in model.state_dict().items()}
     torch.save(state, folder / "pytorch_model.bin")
     loaded = create_critic_model(str(folder), tok, None, 1, rlhf_training=True)
     assert torch.equal(loaded.v_head.weight, model.v_head.weight)

@@ -47,7 +47,9 @@ def add_data_args(parser: argparse.ArgumentParser):
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token to the tokenizer as a special token.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                   help="End-of-text token appended to every training text.")
+                   help="End-of-text token appended to every chosen and rejected text of step 2 and DPO (step 1 "
+                        "appends the tokenizer's EOS token instead, as DeepSpeed-Chat does); with --add_eot_token "
+                        "step 3's answers also end at it.")
     return g
 
 
@@ -92,6 +94,25 @@ def add_run_args(group, unit: str = "optimizer steps", output: str = "the model"
     group.add_argument("--compute_fp32_loss", action="store_true",
                        help="Accepted for DeepSpeed-Chat's scripts; no effect: every loss is computed in fp32 "
                             "(logits are upcast, as in transformers 5's own loss, which DeepSpeed-Chat's steps use).")
+
+
+def add_test_mode_args(group) -> None:
+    """DeepSpeed-Chat's step-3 test switches, which its ``tests/test_training.py`` passes through the step-3 sweep
+    script (``--enable_test_mode --test_stop_step N``); :func:`apply_test_mode` maps them onto the run length."""
+    group.add_argument("--enable_test_mode", action="store_true",
+                       help="DeepSpeed-Chat's test mode: stop after --test_stop_step RL steps and after the first epoch "
+                            "(the same as --max_steps N --num_train_epochs 1).")
+    group.add_argument("--test_stop_step", type=int, default=0,
+                       help="With --enable_test_mode: the RL step to stop after (0 = the end of the first epoch).")
+
+
+def apply_test_mode(args) -> None:
+    """``--enable_test_mode``: one epoch at most, and at most ``--test_stop_step`` steps when that is > 0 (the
+    smaller of it and ``--max_steps`` when both are given). Bad values are refused by :func:`validate_common`."""
+    if args.enable_test_mode:
+        args.num_train_epochs = min(args.num_train_epochs, 1)
+        if args.test_stop_step > 0:
+            args.max_steps = min(args.max_steps, args.test_stop_step) if args.max_steps else args.test_stop_step
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser):
@@ -252,6 +273,10 @@ def validate_common(args) -> None:
     if getattr(args, "max_seq_len", None) == 1:
         raise UserInputError("--max_seq_len must be ≥ 2, got 1: a one-token sequence leaves no next token to "
                              "predict (the loss would be NaN)")
+    if getattr(args, "test_stop_step", 0) < 0:
+        raise UserInputError(f"--test_stop_step must be ≥ 0, got {args.test_stop_step}")
+    if getattr(args, "test_stop_step", 0) and not args.enable_test_mode:
+        raise UserInputError("--test_stop_step needs --enable_test_mode")
     if getattr(args, "max_steps", 0) < 0:
         raise UserInputError(f"--max_steps must be ≥ 0 (0 = no limit), got {args.max_steps}")
     check_number_flags(args)

@@ -64,7 +64,7 @@ from utils import fault_injection
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
 from utils.entrypoint import PROGRESS
 from utils.errors import UserInputError
-from utils.files import is_write_failure
+from utils.files import atomic_write_text, fsync_tree, is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
@@ -212,19 +212,6 @@ def _files(root: str):
                 yield rel, path
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _hash_all(paths) -> list:
     """sha256 of each file, several at a time (hashlib releases the GIL: the engines' files hash in parallel)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -235,21 +222,12 @@ def _hash_all(paths) -> list:
 
 
 def write_manifest(root: str) -> None:
-    """fsync every file under ``root``, then write ``MANIFEST.json`` (size + sha256 of each) atomically."""
+    """fsync every file and folder under ``root``, then write ``MANIFEST.json`` (size + sha256 of each) atomically."""
     files = list(_files(root))
-    for _, path in files:
-        _fsync_file(path)
+    fsync_tree(root)
     manifest = {rel: {"size": os.path.getsize(path), "sha256": digest}
                 for (rel, path), digest in zip(files, _hash_all(path for _, path in files))}
-    for dirpath, _, _ in os.walk(root):
-        _fsync_dir(dirpath)
-    tmp = os.path.join(root, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, MANIFEST))
-    _fsync_dir(root)
+    atomic_write_text(os.path.join(root, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def verify_manifest(root: str) -> Optional[str]:
@@ -375,8 +353,7 @@ class CheckpointManager:
                 if os.path.isdir(final):
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                self._write_latest(name)
-                _fsync_dir(self.root)
+                atomic_write_text(os.path.join(self.root, "latest"), name + "\n")  # fsyncs the root: both renames
                 for old in self.checkpoints()[self.max_checkpoints:]:
                     shutil.rmtree(old, ignore_errors=True)
         except BaseException as e:
@@ -389,14 +366,6 @@ class CheckpointManager:
                                  "system?); the previous checkpoints are kept") from e
         barrier()
         return final
-
-    def _write_latest(self, name: str) -> None:
-        tmp = os.path.join(self.root, "latest.tmp")
-        with open(tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.root, "latest"))
 
     def step_done(self, step: int, engines: Dict[str, object], trainer_state: Callable[[], dict]) -> None:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every

@@ -4,6 +4,9 @@ Anything the user can fix (a bad flag, a missing column, an unknown dataset name
 raises :class:`UserInputError` with a message naming the culprit. Entry points
 catch it in one place (``utils.entrypoint.run_main``), print the message and exit 2, so
 users see one clear line instead of a traceback from deep inside a library.
+
+This module imports nothing from the project (everything imports it); :func:`utils.finite.check_finite`
+raises :class:`TrainingDiverged`.
 """
 
 
@@ -21,22 +24,3 @@ class UserInputError(ValueError):
 class TrainingDiverged(RuntimeError):
     """A non-finite loss/reward: training stops, nothing new is saved (message names step and quantity)."""
 
-
-def check_finite(step: int, **values) -> None:
-    """Raise :class:`TrainingDiverged` naming the step and the first non-finite quantity (floats or 0-d tensors).
-
-    Test hook (:mod:`utils.fault_injection`): with ``DSCHAT_FAULT_INJECT=nan@N`` the first quantity
-    checked at step N reads as NaN (tests that every step stops there, saving nothing new).
-    """
-    import math
-
-    from utils import fault_injection
-
-    poisoned = fault_injection.nan_at(step)
-    for name, value in values.items():
-        value = float(value.detach()) if hasattr(value, "detach") else float(value)
-        if poisoned:
-            value, poisoned = float("nan"), False
-        if not math.isfinite(value):
-            raise TrainingDiverged(f"non-finite {name} ({value}) at step {step}; stopping without saving "
-                                   "(the last good checkpoint, if any, is kept)")

@@ -8,7 +8,7 @@ not of mocks, so the fault has to happen inside a real step's process, at a know
   checkpoint and end bit-exactly where an uninterrupted run ends (tests/test_resume.py);
 * ``DSCHAT_FAULT_INJECT=interrupt@N``: SIGINT there instead (a Ctrl-C); the run must print
   where to resume and exit 130 (tests/test_reruns.py);
-* ``DSCHAT_FAULT_INJECT=nan@N``: the first quantity :func:`utils.errors.check_finite` checks
+* ``DSCHAT_FAULT_INJECT=nan@N``: the first quantity :func:`utils.finite.check_finite` checks
   at step N reads as NaN; the run must stop with exit code 3, saving nothing new
   (tests/test_resume.py).
 

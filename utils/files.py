@@ -1,4 +1,5 @@
-"""Writing output folders so that a crash never leaves a half-written one behind."""
+"""Writing output folders and files so that a crash never leaves a half-written one behind, and the fsync
+helpers they (and the training checkpoints, :mod:`utils.checkpoint`) use."""
 from __future__ import annotations
 
 import contextlib
@@ -9,16 +10,38 @@ import tempfile
 from utils.errors import UserInputError
 
 
-def _fsync_tree(path: str) -> None:
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of folder ``path`` (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and folder under ``path``."""
     for root, _, files in os.walk(path):
         for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` all or nothing: a fsynced temporary sibling renamed into place, and the rename
+    itself made durable (the folder fsynced)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def is_write_failure(e: BaseException) -> bool:
@@ -58,7 +81,7 @@ def atomic_directory(out_dir: str):
         for root, _, files in os.walk(tmp):  # some writers create 0600 files; outputs are ordinary files
             for name in files:
                 os.chmod(os.path.join(root, name), 0o666 & ~umask)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if os.path.isdir(out_dir):
             for name in os.listdir(out_dir):
                 if not os.path.exists(os.path.join(tmp, name)):

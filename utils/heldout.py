@@ -118,7 +118,7 @@ def reward_model_report(rm_dir: str, prompts: List[str], dataset: str = "builtin
     overall and per kind, and under ``"scale"`` how it ranks answers drawn independently for each of ``prompts``
     (:func:`scale_answers`, :func:`ranked_shares`; the pairs are mostly small edits of each other, which a
     reward model can rank right without putting different answers on one scale, and PPO exploits that)."""
-    from step2_reward_model_finetuning.rw_eval import accuracy_by_kind, score_texts
+    from utils.model.scoring import accuracy_by_kind, score_texts
     from utils.model.critic import load_reward_model
 
     rows = load_builtin(dataset)["eval"]

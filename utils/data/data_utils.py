@@ -191,6 +191,14 @@ def _concat_shuffled(datasets: Sequence[PromptDataset], seed: int, train_phase: 
     return PromptDataset([samples[i] for i in order], train_phase, stats)
 
 
+def blend(datasets: Sequence[PromptDataset], sft_only: Sequence[PromptDataset], seed: int,
+          train_phase: int) -> PromptDataset:
+    """The phase's datasets concatenated and shuffled with the seed; then, as DeepSpeed-Chat mixes them, the
+    ``--sft_only_data_path`` sets (phase 1) appended to that and the whole shuffled again with the seed."""
+    mixed = _concat_shuffled(datasets, seed, train_phase)
+    return _concat_shuffled([mixed, *sft_only], seed, train_phase) if sft_only else mixed
+
+
 def _fingerprints(names, output_path, seed, local_rank) -> List[str]:
     return [get_raw_dataset(n, output_path, seed, local_rank).fingerprint() for n in names]
 
@@ -232,20 +240,15 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     cached = os.path.isfile(train_file) and os.path.isfile(eval_file)
 
     if local_rank <= 0 and (reload or not cached):
-        trains, evals = [], []
+        parts = {"data": [], "sft": []}  # (train, eval) of each dataset
         for name in data_path:
-            train, eval_, _ = create_dataset(local_rank, name, data_split, output_path, train_phase, seed, tokenizer,
-                                             end_of_conversation_token, max_seq_len)
-            trains.append(train)
-            evals.append(eval_)
-        if train_phase == 1:
-            for name in sft_only:
-                train, eval_, _ = create_dataset(local_rank, name, "10,0,0", output_path, 1, seed, tokenizer,
-                                                 end_of_conversation_token, max_seq_len)
-                trains.append(train)
-                evals.append(eval_)
-        train_dataset = _concat_shuffled(trains, seed, train_phase)
-        eval_dataset = _concat_shuffled(evals, seed, train_phase)
+            parts["data"].append(create_dataset(local_rank, name, data_split, output_path, train_phase, seed,
+                                                tokenizer, end_of_conversation_token, max_seq_len)[:2])
+        for name in sft_only if train_phase == 1 else ():
+            parts["sft"].append(create_dataset(local_rank, name, "10,0,0", output_path, 1, seed, tokenizer,
+                                               end_of_conversation_token, max_seq_len)[:2])
+        train_dataset, eval_dataset = (blend([d[i] for d in parts["data"]], [d[i] for d in parts["sft"]], seed,
+                                             train_phase) for i in (0, 1))
         _save({"samples": train_dataset.samples, "stats": train_dataset.stats}, train_file)
         _save({"samples": eval_dataset.samples, "stats": eval_dataset.stats}, eval_file)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -59,7 +59,8 @@ def _check_str(name, source, row_no, row, field, required):
 
 class LocalJsonFileDataset(PromptRawDataset):
     """The reference's ``local/jsonfile``: ``data/train.json`` + ``data/eval.json``
-    (relative to the current directory), rows ``{"prompt", "chosen", "rejected"}``;
+    (relative to the current directory; DeepSpeed-Chat reads its own checkout's ``data/`` folder), rows
+    ``{"prompt", "chosen", "rejected"}``;
     every field is rendered as ``" " + text`` (the prompt is expected to hold its own
     "Human: ... Assistant:" markers)."""
     canonical_name = "local/jsonfile"

@@ -23,8 +23,8 @@ ds_config, npab, rlhf_training=True, zero_stage=...)`` for both critic and rewar
 model. The load is strict: a folder that is not a step-2 output, or whose weights do
 not match the model (keys or shapes), is a :class:`UserInputError` naming the folder
 and the keys (DeepSpeed-Chat loads non-strictly and silently keeps random weights).
-Checkpoints written by the reference (``pytorch_model.bin`` with its ``rwtranrsformer.``
-key prefix) load too.
+Checkpoints written by the reference (``pytorch_model.bin`` with ``rwtransformer.`` keys, or
+``rwtranrsformer.`` ones when saved before its October 2023 typo fix, #749) load too.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ MARKER_FORMAT = "dschat-reward-model"
 MARKER_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 LEGACY_WEIGHTS_FILE = "pytorch_model.bin"
-LEGACY_PREFIX = "rwtranrsformer."  # DeepSpeed-Chat's attribute name (sic)
+LEGACY_PREFIX = "rwtranrsformer."  # DeepSpeed-Chat's attribute name (sic) until October 2023 (#749)
 PREFIX = "rwtransformer."
 
 

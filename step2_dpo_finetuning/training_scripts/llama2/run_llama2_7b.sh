@@ -1,15 +1,16 @@
 #!/bin/bash
-# Step 2 DPO: Llama-2-7b policy, one node.
-# Usage: bash run_llama2_7b.sh [OUTPUT] [ZERO_STAGE=3] [MODEL]
-# Mirrors DeepSpeed-Chat's step2_dpo_finetuning/training_scripts/llama2/run_llama2_7b.sh.
+# Step 2 (DPO), Llama-2-7B on one node (all its GPUs), ZeRO-3 + offload + gradient checkpointing.
+# Usage: bash $0 [OUTPUT] [ZERO_STAGE] [MODEL] [extra main.py flags...]   (hyper-parameters of DeepSpeed-Chat's script)
+#   MODEL: the policy to start from, usually step 1's --output_dir (default: the base model, as the reference)
+set -eo pipefail
 OUTPUT=${1:-./output_step2_llama_7b_epoch1_lr9.65e-6}
 ZERO_STAGE=${2:-3}
-MODEL=${3:-meta-llama/Llama-2-7b-hf}  # the policy to start from: usually the step-1 output folder
-[ -d "$MODEL" ] && MODEL=$(cd "$MODEL" && pwd)
-mkdir -p "$OUTPUT" && OUTPUT=$(cd "$OUTPUT" && pwd)  # absolute: we cd below
-cd "$(dirname "$0")/../.." || exit 1  # the step folder (main.py)
+MODEL=${3:-meta-llama/Llama-2-7b-hf}
+shift $(( $# < 3 ? $# : 3 ))
+DPO_DIR=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUTPUT"
 
-deepspeed main.py \
+deepspeed "$DPO_DIR/main.py" \
    --data_path Dahoas/rm-static \
    --data_split 2,4,4 \
    --model_name_or_path "$MODEL" \
@@ -23,11 +24,9 @@ deepspeed main.py \
    --lr_scheduler_type cosine \
    --num_warmup_steps 0 \
    --seed 1234 \
-   --beta 0.1 \
    --gradient_checkpointing \
    --zero_stage "$ZERO_STAGE" \
    --deepspeed \
    --offload \
    --output_dir "$OUTPUT" \
-   2>&1 | tee "$OUTPUT/training.log"
-exit "${PIPESTATUS[0]}"
+   "$@" 2>&1 | tee "$OUTPUT/training.log"

@@ -1,13 +1,14 @@
 #!/bin/bash
-# Step 2 reward model: Llama-2-7b, one node.
-# Usage: bash run_llama2_7b.sh [OUTPUT] [ZERO_STAGE=3]
-# Mirrors DeepSpeed-Chat's training_scripts/llama2/run_llama2_7b.sh.
+# Step 2 (reward model), Llama-2-7B on one node (all its GPUs), ZeRO-3 + offload + gradient checkpointing.
+# Usage: bash $0 [OUTPUT] [ZERO_STAGE] [extra main.py flags...]   (hyper-parameters of DeepSpeed-Chat's script)
+set -eo pipefail
 OUTPUT=${1:-./output_step2_llama_7b_epoch1_lr9.65e-6}
 ZERO_STAGE=${2:-3}
-mkdir -p "$OUTPUT" && OUTPUT=$(cd "$OUTPUT" && pwd)  # absolute: we cd below
-cd "$(dirname "$0")/../.." || exit 1  # the step folder (main.py)
+shift $(( $# < 2 ? $# : 2 ))
+STEP2_DIR=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUTPUT"
 
-deepspeed main.py \
+deepspeed "$STEP2_DIR/main.py" \
    --data_path Dahoas/rm-static \
    --data_split 2,4,4 \
    --model_name_or_path meta-llama/Llama-2-7b-hf \
@@ -27,5 +28,4 @@ deepspeed main.py \
    --deepspeed \
    --offload \
    --output_dir "$OUTPUT" \
-   2>&1 | tee "$OUTPUT/training.log"
-exit "${PIPESTATUS[0]}"
+   "$@" 2>&1 | tee "$OUTPUT/training.log"

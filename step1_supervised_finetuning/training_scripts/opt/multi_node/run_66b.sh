@@ -11,7 +11,7 @@ mkdir -p "$OUTPUT"
 HOSTFILE=${HOSTFILE:-/job/hostfile}
 
 deepspeed --hostfile "$HOSTFILE" "$STEP1_DIR/main.py" \
-   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets openai/webgpt_comparisons stanfordnlp/SHP \
+   --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
    --data_split 2,4,4 \
    --model_name_or_path facebook/opt-66b \
    --per_device_train_batch_size 4 \

@@ -1,35 +1,32 @@
 #!/bin/bash
-# Step 2 DPO: OPT-350m policy, multi node. (DeepSpeed-Chat's script keeps the 1e-3 default learning rate, far too high for full fine-tuning; 5e-6 here.)
-# Usage: bash run_350m.sh [OUTPUT=./output] [ZERO_STAGE=0] [MODEL=facebook/opt-350m] (HOSTFILE=... env)
-# Mirrors DeepSpeed-Chat's step2_dpo_finetuning/training_scripts/opt/multi_node/run_350m.sh.
+# Step 2 (DPO), OPT-350m on several nodes (HOSTFILE, default /job/hostfile as DeepSpeed's).
+# Usage: bash $0 [OUTPUT] [ZERO_STAGE] [MODEL] [extra main.py flags...]   (hyper-parameters of DeepSpeed-Chat's script)
+#   MODEL: the policy to start from, usually step 1's --output_dir (default: the base model, as the reference)
+set -eo pipefail
 OUTPUT=${1:-./output}
 ZERO_STAGE=${2:-0}
-MODEL=${3:-facebook/opt-350m}  # the policy to start from: usually the step-1 output folder
-[ -d "$MODEL" ] && MODEL=$(cd "$MODEL" && pwd)
-HOSTFILE=$(realpath -m "${HOSTFILE:-hostfile}")  # one line per node: "host slots=N"
-mkdir -p "$OUTPUT" && OUTPUT=$(cd "$OUTPUT" && pwd)  # absolute: we cd below
-cd "$(dirname "$0")/../../.." || exit 1  # the step folder (main.py)
+MODEL=${3:-facebook/opt-350m}
+shift $(( $# < 3 ? $# : 3 ))
+DPO_DIR=$(cd "$(dirname "$0")/../../.." && pwd)
+mkdir -p "$OUTPUT"
 
-deepspeed --hostfile="$HOSTFILE" main.py \
+HOSTFILE=${HOSTFILE:-/job/hostfile}  # one "host slots=N" line per node
+deepspeed --hostfile "$HOSTFILE" "$DPO_DIR/main.py" \
    --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
    --data_split 2,4,4 \
    --model_name_or_path "$MODEL" \
-   --per_device_train_batch_size 8 \
-   --per_device_eval_batch_size 8 \
+   --per_device_train_batch_size 2 \
+   --per_device_eval_batch_size 2 \
    --max_seq_len 512 \
-   --learning_rate 5e-6 \
+   --learning_rate 5e-5 \
    --weight_decay 0.1 \
-   --num_train_epochs 1 \
    --dropout 0.0 \
+   --num_train_epochs 1 \
    --gradient_accumulation_steps 1 \
    --lr_scheduler_type cosine \
    --num_warmup_steps 0 \
    --seed 1234 \
-   --beta 0.1 \
    --zero_stage "$ZERO_STAGE" \
    --deepspeed \
-   --enable_tensorboard \
-   --tensorboard_path "$OUTPUT" \
    --output_dir "$OUTPUT" \
-   2>&1 | tee "$OUTPUT/training.log"
-exit "${PIPESTATUS[0]}"
+   "$@" 2>&1 | tee "$OUTPUT/training.log"

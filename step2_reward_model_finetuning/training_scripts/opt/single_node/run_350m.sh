@@ -1,19 +1,20 @@
 #!/bin/bash
-# Step 2 reward model: OPT-350m, single node.
-# Usage: bash run_350m.sh [OUTPUT=./output] [ZERO_STAGE=0]
-# Mirrors DeepSpeed-Chat's training_scripts/opt/single_node/run_350m.sh.
+# Step 2 (reward model), OPT-350m on one node (all its GPUs).
+# Usage: bash $0 [OUTPUT] [ZERO_STAGE] [extra main.py flags...]   (hyper-parameters of DeepSpeed-Chat's script)
+set -eo pipefail
 OUTPUT=${1:-./output}
 ZERO_STAGE=${2:-0}
-mkdir -p "$OUTPUT" && OUTPUT=$(cd "$OUTPUT" && pwd)  # absolute: we cd below
-cd "$(dirname "$0")/../../.." || exit 1  # the step folder (main.py)
+shift $(( $# < 2 ? $# : 2 ))
+STEP2_DIR=$(cd "$(dirname "$0")/../../.." && pwd)
+mkdir -p "$OUTPUT"
 
-deepspeed main.py \
+deepspeed "$STEP2_DIR/main.py" \
    --data_path Dahoas/rm-static Dahoas/full-hh-rlhf Dahoas/synthetic-instruct-gptj-pairwise yitingxie/rlhf-reward-datasets \
    --data_split 2,4,4 \
    --model_name_or_path facebook/opt-350m \
    --num_padding_at_beginning 1 \
-   --per_device_train_batch_size 8 \
-   --per_device_eval_batch_size 8 \
+   --per_device_train_batch_size 4 \
+   --per_device_eval_batch_size 4 \
    --max_seq_len 512 \
    --learning_rate 5e-5 \
    --weight_decay 0.1 \
@@ -25,8 +26,5 @@ deepspeed main.py \
    --seed 1234 \
    --zero_stage "$ZERO_STAGE" \
    --deepspeed \
-   --enable_tensorboard \
-   --tensorboard_path "$OUTPUT" \
    --output_dir "$OUTPUT" \
-   2>&1 | tee "$OUTPUT/training.log"
-exit "${PIPESTATUS[0]}"
+   "$@" 2>&1 | tee "$OUTPUT/training.log"
