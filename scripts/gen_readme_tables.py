@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Regenerate README.md's flag tables from the entry points' own argument parsers.
+"""Regenerate docs/flags.md's flag tables from the entry points' own argument parsers.
 
-    python scripts/gen_readme_tables.py           # rewrite the tables in README.md
-    python scripts/gen_readme_tables.py --check   # exit 1 when README.md is out of date
+    python scripts/gen_readme_tables.py           # rewrite the tables in docs/flags.md
+    python scripts/gen_readme_tables.py --check   # exit 1 when docs/flags.md is out of date
 
 Each table lives between ``<!-- flags:NAME:start -->`` and ``<!-- flags:NAME:end -->``
-(NAME: step1, step2, dpo, step3, train). The parser is captured by importing the
+(NAME: a key of :data:`ENTRY_POINTS`). The parser is captured by importing the
 entry point and calling its ``parse_args`` with ``ArgumentParser.parse_args``
 replaced by a trap, so nothing is trained, initialised or downloaded.
 """
@@ -19,13 +19,14 @@ import re
 import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-README = os.path.join(REPO, "README.md")
+README = os.path.join(REPO, "docs", "flags.md")  # the page that holds the tables
 ENTRY_POINTS = {
     "step1": "step1_supervised_finetuning/main.py",
     "step2": "step2_reward_model_finetuning/main.py",
     "dpo": "step2_dpo_finetuning/main.py",
     "step3": "step3_rlhf_finetuning/main.py",
     "train": "train.py",
+    "collect": "step2_reward_model_finetuning/collect_comparisons.py",
 }
 REGION = re.compile(r"(<!-- flags:(?P<name>\w+):start -->\n)(?P<body>.*?)(<!-- flags:(?P=name):end -->)", re.S)
 
@@ -111,8 +112,8 @@ def render(readme: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="Only check; exit 1 when README.md is out of date.")
-    p.add_argument("--readme", default=README, help="The README to rewrite.")
+    p.add_argument("--check", action="store_true", help="Only check; exit 1 when the page is out of date.")
+    p.add_argument("--readme", default=README, help="The page to rewrite (docs/flags.md).")
     args = p.parse_args(argv)
     with open(args.readme) as f:
         current = f.read()

@@ -1,4 +1,5 @@
-"""README.md stays true: generated flag tables, commands that parse, files that exist."""
+"""README.md and docs/ stay true: generated flag tables, commands that parse (and, offline, run), files and
+links that exist, a README a newcomer reads in five minutes."""
 import re
 import shlex
 import subprocess
@@ -10,32 +11,36 @@ from scripts import gen_readme_tables as gen
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()
+PAGES = {"README.md": README, **{f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}}
+FLAGS = PAGES["docs/flags.md"]
 
 
 def code_blocks(text):
     return re.findall(r"```(?:bash|text)?\n(.*?)```", text, re.S)
 
 
-def commands(prefix):
-    """Shell commands in the README's code blocks that start with ``prefix`` (continuations joined)."""
+def commands(prefix, pages=PAGES):
+    """Shell commands in the code blocks of README.md and docs/ that start with ``prefix`` (continuations joined;
+    sketches with elided flags, ``...``, left out)."""
     found = []
-    for block in code_blocks(README):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith(prefix):
-                found.append(shlex.split(line))
+    for text in pages.values():
+        for block in code_blocks(text):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith(prefix) and " ... " not in line:
+                    found.append(shlex.split(line))
     return found
 
 
 def test_flag_tables_match_the_parsers():
-    assert gen.render(README) == README, "README flag tables are stale: run python scripts/gen_readme_tables.py"
+    assert gen.render(FLAGS) == FLAGS, "docs/flags.md is stale: run python scripts/gen_readme_tables.py"
     for name in gen.ENTRY_POINTS:
-        assert f"<!-- flags:{name}:start -->" in README
+        assert f"<!-- flags:{name}:start -->" in FLAGS
 
 
 def test_check_mode_fails_on_a_stale_table(tmp_path):
-    stale = tmp_path / "README.md"
-    stale.write_text(README.replace("| `--dry-run` |", "| `--dry-run-old` |"))
+    stale = tmp_path / "flags.md"
+    stale.write_text(FLAGS.replace("| `--dry-run` |", "| `--dry-run-old` |"))
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_readme_tables.py"), "--check",
                           "--readme", str(stale)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "out of date" in res.stderr
@@ -75,21 +80,42 @@ def test_step_commands_in_the_readme_parse(launcher):
         gen.load_parser(gen.ENTRY_POINTS[name]).parse_args(cmd[2:])
 
 
-def test_architecture_tree_names_existing_files():
-    tree = README.split("## Architecture")[1]
+def test_architecture_names_existing_files_and_every_module():
+    tree = PAGES["docs/architecture.md"]
     paths = [line.split()[0] for line in code_blocks(tree)[0].splitlines() if line.strip()]
     assert "train.py" in paths and len(paths) > 20
     missing = [p for p in paths if not (REPO / p).exists()]
-    assert not missing, f"README architecture lists missing files: {missing}"
+    assert not missing, f"docs/architecture.md lists missing files: {missing}"
+    modules = [str(p.relative_to(REPO)) for folder in ("utils", "inference", "step1_supervised_finetuning",
+                                                        "step2_reward_model_finetuning", "step2_dpo_finetuning",
+                                                        "step3_rlhf_finetuning")
+               for p in sorted((REPO / folder).rglob("*.py")) if p.name != "__init__.py"]
+    unlisted = [m for m in modules if m not in paths]
+    assert not unlisted, f"modules docs/architecture.md does not describe: {unlisted}"
+
+
+def test_readme_is_short_and_its_links_lead_somewhere():
+    lines = README.splitlines()
+    assert len(lines) <= 250, len(lines)
+    demo = README.split("\n## What the demo shows\n")[1].split("\n## ")[0]
+    assert len(demo.strip().splitlines()) <= 40
+    for page, text in PAGES.items():
+        base = (REPO / page).parent
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" not in target:
+                assert (base / target).exists(), f"{page} links to {target}, which does not exist"
+    assert set(re.findall(r"\(docs/([\w.-]+\.md)\)", README)) >= {p.split("/")[1] for p in PAGES if "/" in p}
 
 
 def sections_with_code():
-    """(section title, text before each code block since the previous one, the block) for every code block."""
-    for section in README.split("\n## ")[1:]:
-        title, body = section.split("\n", 1)
-        parts = re.split(r"```(?:bash|text)?\n(.*?)```", body, flags=re.S)
-        for i in range(1, len(parts), 2):
-            yield title, parts[i - 1], parts[i]
+    """(section title, text before each code block since the previous one, the block) for every code block of
+    README.md and docs/."""
+    for text in PAGES.values():
+        for section in text.split("\n## ")[1:]:
+            title, body = section.split("\n", 1)
+            parts = re.split(r"```(?:bash|text)?\n(.*?)```", body, flags=re.S)
+            for i in range(1, len(parts), 2):
+                yield title, parts[i - 1], parts[i]
 
 
 def needs_the_hub(cmd):
@@ -108,7 +134,9 @@ def test_every_command_that_needs_the_hub_says_so():
     for title, intro, block in sections_with_code():
         for line in block.replace("\\\n", " ").splitlines():
             command, _, comment = line.partition("  #")
-            words = shlex.split(command.strip()) if command.strip().startswith(("python", "deepspeed")) else []
+            sketch = " ... " in command  # elided flags: not a command to run as it is
+            words = shlex.split(command.strip()) if command.strip().startswith(("python", "deepspeed")) and \
+                not sketch else []
             if len(words) < 2 or not words[1].endswith(".py"):
                 continue
             checked += 1
@@ -124,5 +152,29 @@ def test_built_in_tokenizer_sizes_in_the_readme_are_true():
     sizes = {name: len(load_hf_tokenizer(name)) for name in ("tiny-opt", "tiny-llama", "small-opt")}
     assert sizes == {"tiny-opt": 669, "tiny-llama": 671, "small-opt": 669}
     assert f"{sizes['tiny-opt']} tokens for `tiny-opt` and `small-opt`, {sizes['tiny-llama']} for `tiny-llama`" \
-        in " ".join(README.split())
-    assert "vocabulary size (669 for tiny-opt" in README and "1000 tokens" not in README
+        in " ".join(PAGES["docs/data.md"].split())
+    assert "vocabulary size (669 for tiny-opt" in PAGES["docs/outputs.md"]
+    assert not any("1000 tokens" in text for text in PAGES.values())
+
+
+@pytest.mark.slow
+def test_offline_commands_of_the_readme_and_docs_run(tmp_path):
+    """Every train.py command of README.md and docs/ that needs no network runs: the quick steps-1-and-2 command of
+    docs/running.md as it is, then each `--demo --step 3` command on its result, with `--max_steps 2` added to its
+    step-3 flags (the README's own step 3 runs 80 steps)."""
+    from tests.conftest import run_entry
+
+    offline = [cmd for cmd in commands("python train.py") if "--demo" in cmd and "--dry-run" not in cmd]
+    quick = [cmd for cmd in offline if "--step" in cmd and cmd[cmd.index("--step") + 1:cmd.index("--step") + 3] ==
+             ["1", "2"]]
+    step3 = [cmd for cmd in offline if "--step" in cmd and cmd[cmd.index("--step") + 1] == "3"]
+    assert len(quick) == 1 and len(step3) >= 5, offline
+    proc = run_entry("train.py", *quick[0][2:], "--output-dir", tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for cmd in step3:
+        args = list(cmd[2:])
+        i = args.index("--step3-args") + 1
+        args[i] += " --max_steps 2"
+        proc = run_entry("train.py", *args, "--output-dir", tmp_path, env={"OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, (cmd, proc.stdout[-2000:] + proc.stderr[-2000:])
+        assert (tmp_path / "step3-models" / "tiny-llama" / "actor" / "config.json").is_file()

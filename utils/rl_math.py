@@ -249,8 +249,9 @@ def kl_penalized_rewards(
     ``r_t = -kl_ctl * k_t`` at actions with mask 1 (0 elsewhere), ``k_t`` the per-token KL
     estimate (:func:`kl_estimate`; ``k1 = log_probs_t - ref_log_probs_t``, DeepSpeed-Chat's),
     plus ``clip(reward_score, -c, c)`` at the last action with mask 1 — the EOS action if
-    EOS was generated, else the final token's action (fix of DeepSpeed-Chat #672, which
-    added it one position to the right). Rows with no counted action get nothing added.
+    EOS was generated, else the final token's action (DeepSpeed-Chat #672: with a separate pad token,
+    Llama-style, the reference adds it one position to the right of the EOS action; for OPT it lands
+    where it does here). Rows with no counted action get nothing added.
 
     Args:
         log_probs: ``[B, A]`` log-probs of the taken actions under the (old) actor.
