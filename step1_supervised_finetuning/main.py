@@ -111,8 +111,8 @@ def main(args):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
         accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
-                                                     f"step1 epoch {epoch + 1}"):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step1 epoch {epoch + 1}",
+                                                     step):
             if finished():
                 break
             start = time.time()

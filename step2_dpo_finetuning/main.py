@@ -174,8 +174,8 @@ def main(args):
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
-                                                     f"dpo epoch {epoch + 1}"):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"dpo epoch {epoch + 1}",
+                                                     step):
             if args.max_steps and step >= args.max_steps:
                 break
             start = time.time()

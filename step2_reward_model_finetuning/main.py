@@ -141,8 +141,8 @@ def main(args):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
         loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if skip else (0.0, 0)
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
-                                                     f"step2 epoch {epoch + 1}"):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step2 epoch {epoch + 1}",
+                                                     step):
             if args.max_steps and step >= args.max_steps:
                 break
             start = time.time()

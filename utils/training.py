@@ -98,12 +98,23 @@ def make_loaders(train_dataset, eval_dataset, collate, args):
                              sampler=sampler)
 
 
-def epoch_micro_batches(loader, epoch: int, skip: int, epochs: int, log, desc: str):
+def micro_batches_to_run(batches: int, max_steps: int = 0, step: int = 0, grad_accum: int = 1) -> int:
+    """Micro-batches an epoch of ``batches`` runs: all, unless ``--max_steps`` ends the run first (``step``
+    optimizer steps done, ``grad_accum`` micro-batches each)."""
+    return max(0, min(batches, (max_steps - step) * grad_accum)) if max_steps else batches
+
+
+def epoch_micro_batches(loader, epoch: int, skip: int, args, log, desc: str, step: int = 0):
     """``(micro_step, batch)`` pairs of one epoch behind a progress bar, numbered from ``skip``: the loader's
-    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming)."""
+    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming). With
+    ``--max_steps`` only the micro-batches of the steps left after ``step`` come (and the bar counts those)."""
     loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
-    log.info(f"Beginning of Epoch {epoch + 1}/{epochs}, Total Micro Batches {len(loader)}")
-    return enumerate(log.progress(loader, desc=desc), start=skip)
+    total = micro_batches_to_run(len(loader), args.max_steps, step, args.gradient_accumulation_steps)
+    log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(loader)}"
+             + (f" ({total} of them run: --max_steps {args.max_steps})" if total < len(loader) else ""))
+    return enumerate(log.progress(itertools.islice(loader, total), desc=desc, total=total), start=skip)
+
+
 
 
 def eval_batches(loader, eval_iters: int):
