@@ -12,11 +12,15 @@
 scored as ``prompt + answer + --eot_token`` with ``forward_value``'s end score (the value
 at the last answer token, :mod:`utils.model.reward_model`). Write prompts in the format
 the model was trained on (e.g. ``" Human: … Assistant:"``, answers starting with a space).
+A reward model trained with ``--apply_chat_template`` scores with it too: each prompt (plain text or
+DeepSpeed-Chat's ``" Human: … Assistant:"``, read back as messages) and answer are formatted with the
+folder's chat template, and the score is read at the end-of-turn token (:mod:`utils.data.chat_template`).
 """
 import argparse
 import json
 import os
 
+from utils.arguments import add_chat_template_arg
 from utils.errors import UserInputError
 from utils.entrypoint import run_main
 
@@ -34,6 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_seq_len", type=int, default=512, help="Texts are truncated to this many tokens.")
     parser.add_argument("--eot_token", default="<|endoftext|>", help="End-of-text token appended to every answer.")
     parser.add_argument("--batch_size", type=int, default=16)
+    add_chat_template_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -77,18 +82,39 @@ def read_rows(path: str) -> list:
     return rows
 
 
-def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu") -> list:
-    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer); list of floats."""
+def _template_batch(tokenizer, chat, chunk, max_seq_len: int):
+    """``(ids, mask, prompt lengths)`` of ``(prompt, answer)`` pairs in the chat template's format, right-padded."""
+    import torch
+
+    from utils.data.chat_template import dschat_messages
+    from utils.data.data_utils import _right_pad
+
+    seqs, prompt_lengths = [], []
+    for prompt, answer in chunk:
+        prompt_ids, answer_ids = chat.conversation_ids(dschat_messages(prompt), answer)
+        seqs.append(torch.tensor((prompt_ids + answer_ids)[:max_seq_len]))
+        prompt_lengths.append(min(len(prompt_ids), max_seq_len))
+    ids, mask = _right_pad(seqs, max(len(s) for s in seqs), tokenizer.pad_token_id)
+    return ids, mask, torch.tensor(prompt_lengths)
+
+
+def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu",
+                chat=None) -> list:
+    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer), or, with ``chat`` (a
+    :class:`~utils.data.chat_template.ChatFormat`), of the pair in its chat template's format; list of floats."""
     import torch
 
     scores = []
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i:i + batch_size]
-        batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len, padding=True,
-                          return_tensors="pt")  # right padding (load_hf_tokenizer)
-        prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
-                                       for p, _ in chunk])
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if chat is not None:
+            ids, mask, prompt_lengths = _template_batch(tokenizer, chat, chunk, max_seq_len)
+        else:
+            batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len,
+                              padding=True, return_tensors="pt")  # right padding (load_hf_tokenizer)
+            prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
+                                           for p, _ in chunk])
+            ids, mask = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
             out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       prompt_length=prompt_lengths.to(device))
@@ -115,17 +141,21 @@ def _short(text: str, n: int = 60) -> str:
 def main(args):
     import torch
 
+    from utils.data.chat_template import chat_format
     from utils.model.critic import load_reward_model
 
     rows = rows_from_args(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_reward_model(args.model_name_or_path, device, args.num_padding_at_beginning)
+    model, tokenizer = load_reward_model(args.model_name_or_path, device, args.num_padding_at_beginning,
+                                         apply_chat_template=args.apply_chat_template)
+    chat = chat_format(tokenizer, args.model_name_or_path) if args.apply_chat_template else None
     pairs = []
     for row in rows:
         for key in ("answer", "chosen", "rejected"):
             if key in row:
                 pairs.append((row["prompt"], row[key]))
-    scores = iter(score_texts(model, tokenizer, pairs, args.max_seq_len, args.eot_token, args.batch_size, device))
+    scores = iter(score_texts(model, tokenizer, pairs, args.max_seq_len, args.eot_token, args.batch_size, device,
+                              chat))
     results, correct, compared = [], 0, 0
     for i, row in enumerate(rows):
         out = dict(row)
