@@ -4,12 +4,14 @@
     python inference/chatbot.py --path output/step3-models/tiny-opt/actor
     echo "Describe the lamp." | python chat.py --path output/step3-models/tiny-opt
 
-The conversation is kept in DeepSpeed-Chat's training format: every turn appends
-``" Human: {input} Assistant:"`` and then the model's answer, so the model sees
-the whole history (oldest turns are dropped when it would not fit). Type
-``clear`` to forget the history and ``quit`` (or end the input) to leave. When
-stdin is not a terminal there is no prompt text: one ``Assistant: ...`` line is
-printed per question, so the chatbot can be scripted through a pipe.
+A model with a chat template (today's instruct models; ``tiny-llama``) is prompted with it by default
+(:mod:`utils.data.chat_template`: the conversation's messages and the generation prompt; an answer ends at
+the template's end-of-turn token); ``--no-apply_chat_template`` chooses DeepSpeed-Chat's training format
+instead, the only one for a model without a template: every turn appends ``" Human: {input} Assistant:"``
+and then the model's answer. Either way the model sees the whole history (oldest turns are dropped when it
+would not fit), and the format used is said once on stderr. Type ``clear`` to forget the history and
+``quit`` (or end the input) to leave. When stdin is not a terminal there is no prompt text: one
+``Assistant: ...`` line is printed per question, so the chatbot can be scripted through a pipe.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ TURN = " Human: {text} Assistant:"
 
 
 def parse_args(argv=None):
-    from utils.arguments import DTYPES, HelpFormatter, add_sampling_args
+    from utils.arguments import DTYPES, HelpFormatter, add_chat_template_arg, add_sampling_args
 
     p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--path", required=True,
                    help="Actor folder: step 1's output, step 3's output (its actor/ is used) or any causal-LM folder.")
     p.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens per answer.")
+    add_chat_template_arg(p, auto=True)
     add_sampling_args(p, do_sample_help="Sample instead of greedy decoding.")
     p.add_argument("--seed", type=int, default=42, help="Random seed (sampling).")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")
@@ -58,27 +61,44 @@ class Chatbot:
     """Keeps the conversation history and generates answers with a causal LM."""
 
     def __init__(self, path: str, max_new_tokens: int = 128, device: str | None = None, do_sample: bool = False,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, dtype: str = "auto"):
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, dtype: str = "auto",
+                 apply_chat_template: bool | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
+        from utils.data.chat_template import chat_format, has_chat_template
         from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
 
         folder = resolve_model_name_or_path(actor_folder(path))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_hf_tokenizer(folder)
+        self.name, self.asked_for_template = path, apply_chat_template
+        if apply_chat_template is None:  # the template when the model has one
+            apply_chat_template = has_chat_template(self.tokenizer)
+        self.chat = chat_format(self.tokenizer, path) if apply_chat_template else None  # None: DeepSpeed-Chat's text
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=load_dtype(dtype, self.device.type),
                                                           local_files_only=os.path.isdir(folder))
         self.model.to(self.device).eval()
+        stop = list(self.chat.stop_ids) if self.chat else self.tokenizer.eos_token_id
         self.generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id)
+                                    eos_token_id=stop, pad_token_id=self.tokenizer.pad_token_id)
         if do_sample:
             self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.history = ""
+        self.history = ""  # DeepSpeed-Chat's text
+        self.messages = []  # the chat template's conversation
+
+    def describe_format(self) -> str:
+        """Which prompt format the bot uses, in a line (chat.py says it on stderr)."""
+        if self.chat is not None:
+            return f"format: the model's chat template (answers end with {self.chat.eot!r})"
+        why = ("--no-apply_chat_template" if self.asked_for_template is False
+               else f"{self.name} has no chat template")
+        return f"format: DeepSpeed-Chat's ' Human: … Assistant:' text ({why})"
 
     def clear(self) -> None:
         self.history = ""
+        self.messages = []
 
     def _prompt_ids(self, prompt: str):
         """Token ids of ``prompt``; whole oldest turns are dropped until answer room remains."""
@@ -89,15 +109,38 @@ class Chatbot:
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         return prompt, ids[:, -budget:]
 
+    def _template_ids(self, messages: list):
+        """``(messages, ids)`` of the chat-template prompt; the oldest user turn (and its answer) are dropped
+        until answer room remains."""
+        import torch
+
+        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 8)
+        ids = self.chat.prompt_ids(messages)
+        while len(ids) > budget:
+            first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            later = [i for i, m in enumerate(messages) if m["role"] == "user" and i > first]
+            if not later:
+                break
+            messages = messages[:first] + messages[later[0]:]
+            ids = self.chat.prompt_ids(messages)
+        return messages, torch.tensor([ids[-budget:]])
+
     def reply(self, text: str) -> str:
         """Answer ``text`` given the history; the turn and the answer join the history."""
         import torch
 
-        prompt, ids = self._prompt_ids(self.history + TURN.format(text=text))
+        if self.chat is not None:
+            messages, ids = self._template_ids(self.messages + [{"role": "user", "content": text}])
+        else:
+            prompt, ids = self._prompt_ids(self.history + TURN.format(text=text))
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device),
                                       **self.generate_kwargs)
         answer = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        if self.chat is not None:  # generation stopped at the end of the turn
+            answer = answer.strip()
+            self.messages = messages + [{"role": "assistant", "content": answer}]
+            return answer
         answer = answer.split("Human:")[0].rstrip()  # the model may start the next turn itself
         self.history = prompt + answer
         return answer.strip()
@@ -155,7 +198,8 @@ def main(args) -> None:
     transformers.set_seed(args.seed)
     try:
         bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p,
-                      args.top_k, args.dtype)
+                      args.top_k, args.dtype, args.apply_chat_template)
+        print(bot.describe_format(), file=sys.stderr, flush=True)
         chat(bot)
     except KeyboardInterrupt:  # Ctrl-C leaves the chat: no traceback (and no training-run message)
         print("\n[interrupted]", file=sys.stderr, flush=True)

@@ -79,7 +79,7 @@ def main(args):
     train_dataset, eval_dataset = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=tokenizer.eos_token,
-        sft_only_data_path=args.sft_only_data_path, log=log.info)
+        sft_only_data_path=args.sft_only_data_path, log=log.info, apply_chat_template=args.apply_chat_template)
     collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
@@ -111,8 +111,8 @@ def main(args):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
         accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
-                                                     f"step1 epoch {epoch + 1}"):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step1 epoch {epoch + 1}",
+                                                     step):
             if finished():
                 break
             start = time.time()

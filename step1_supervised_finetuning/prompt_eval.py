@@ -8,13 +8,17 @@
 
 For every prompt it prints the baseline's greedy continuation, then the fine-tuned
 model's (and, with ``--num_beams > 1``, the fine-tuned model's beam search). Each
-model is loaded with its own tokenizer (local folders never touch the hub).
+model is loaded with its own tokenizer (local folders never touch the hub). With
+``--apply_chat_template`` each model's own chat template formats the prompts (DeepSpeed-Chat's
+``"Human: … Assistant:"`` prompts are read back as messages, :mod:`utils.data.chat_template`), and a
+model's answer ends at the template's end-of-turn token.
 ``--num_beam_groups``, ``--top_k`` and ``--penalty_alpha`` are accepted for
 compatibility with the reference's scripts, whose diverse-beam and contrastive
 searches are commented out (transformers >= 4.56 moved both out of the library).
 """
 import argparse
 
+from utils.arguments import add_chat_template_arg
 from utils.entrypoint import run_main
 
 # Prompts end with ":" (the reference's observation: a trailing space often makes an
@@ -69,6 +73,7 @@ def parse_args(argv=None):
                         help="Add --eot_token to both tokenizers as a special token.")
     parser.add_argument("--eot_token", type=str, default="<|endoftext|>", help="End-of-text token.")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow model folders to run their own code.")
+    add_chat_template_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -86,28 +91,39 @@ def validate(args):
 
 
 def load(name_or_path, args, device):
-    """(model in eval mode on ``device``, its tokenizer)."""
+    """(model in eval mode on ``device``, its tokenizer, its :class:`~utils.data.chat_template.ChatFormat` with
+    ``--apply_chat_template`` else None)."""
     from transformers import AutoModelForCausalLM
 
+    from utils.data.chat_template import chat_format
     from utils.model.model_utils import create_hf_model, load_hf_tokenizer
 
     tokenizer = load_hf_tokenizer(name_or_path, add_special_tokens=args.eot_token if args.add_eot_token else None,
-                                  trust_remote_code=args.trust_remote_code)
+                                  trust_remote_code=args.trust_remote_code,
+                                  apply_chat_template=args.apply_chat_template)
+    chat = chat_format(tokenizer, name_or_path) if args.apply_chat_template else None
     model = create_hf_model(AutoModelForCausalLM, name_or_path, tokenizer, None,
                             trust_remote_code=args.trust_remote_code)
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer, chat
 
 
-def generate(model, tokenizer, prompt, device, max_new_tokens, num_beams=1, num_return_sequences=1):
-    """Decoded texts (prompt included, special tokens dropped) of a deterministic search."""
+def generate(model, tokenizer, prompt, device, max_new_tokens, num_beams=1, num_return_sequences=1, chat=None):
+    """Decoded texts (prompt included, special tokens dropped) of a deterministic search; ``chat``: the prompt
+    in that chat template's format (a :class:`~utils.data.chat_template.ChatFormat`)."""
     import torch
 
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    from utils.data.chat_template import dschat_messages
+
+    if chat is not None:
+        input_ids = torch.tensor([chat.prompt_ids(dschat_messages(prompt))], device=device)
+        stop = list(chat.stop_ids)
+    else:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        stop = tokenizer.eos_token_id
     with torch.no_grad():
-        ids = model.generate(inputs.input_ids, attention_mask=inputs.attention_mask, do_sample=False,
+        ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              num_beams=num_beams, num_return_sequences=num_return_sequences,
-                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)
     return tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
@@ -124,19 +140,19 @@ def main(args):
 
     validate(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    baseline, baseline_tok = load(args.model_name_or_path_baseline, args, device)
-    finetune, finetune_tok = load(args.model_name_or_path_finetune, args, device)
+    baseline, baseline_tok, baseline_chat = load(args.model_name_or_path_baseline, args, device)
+    finetune, finetune_tok, finetune_chat = load(args.model_name_or_path_finetune, args, device)
     prompts = args.prompts or PROMPTS[args.language]
     outputs = []
     for prompt in prompts:
-        base = generate(baseline, baseline_tok, prompt, device, args.max_new_tokens)
-        tuned = generate(finetune, finetune_tok, prompt, device, args.max_new_tokens)
+        base = generate(baseline, baseline_tok, prompt, device, args.max_new_tokens, chat=baseline_chat)
+        tuned = generate(finetune, finetune_tok, prompt, device, args.max_new_tokens, chat=finetune_chat)
         print_block("Baseline: Greedy", base)
         print_block("finetune: Greedy", tuned)
         if args.num_beams > 1:
             print_block(f"finetune: Beam Search (num_beams={args.num_beams})",
                         generate(finetune, finetune_tok, prompt, device, args.max_new_tokens, args.num_beams,
-                                 args.num_return_sequences))
+                                 args.num_return_sequences, chat=finetune_chat))
         print("====================prompt end=============================")
         print()
         outputs.append({"prompt": prompt, "baseline": base[0], "finetune": tuned[0]})

@@ -145,7 +145,7 @@ def main(args):
     train_dataset, eval_dataset = create_prompt_dataset(
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
-        log=log.info)
+        log=log.info, apply_chat_template=args.apply_chat_template)
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
@@ -176,8 +176,8 @@ def main(args):
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args.num_train_epochs, log,
-                                                     f"dpo epoch {epoch + 1}"):
+        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"dpo epoch {epoch + 1}",
+                                                     step):
             if args.max_steps and step >= args.max_steps:
                 break
             start = time.time()

@@ -12,11 +12,15 @@
 scored as ``prompt + answer + --eot_token`` with ``forward_value``'s end score (the value
 at the last answer token, :mod:`utils.model.reward_model`). Write prompts in the format
 the model was trained on (e.g. ``" Human: … Assistant:"``, answers starting with a space).
+A reward model trained with ``--apply_chat_template`` scores with it too: each prompt (plain text or
+DeepSpeed-Chat's ``" Human: … Assistant:"``, read back as messages) and answer are formatted with the
+folder's chat template, and the score is read at the end-of-turn token (:mod:`utils.data.chat_template`).
 """
 import argparse
 import json
 import os
 
+from utils.arguments import add_chat_template_arg
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.model.scoring import accuracy_by_kind, score_texts
@@ -35,6 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_seq_len", type=int, default=512, help="Texts are truncated to this many tokens.")
     parser.add_argument("--eot_token", default="<|endoftext|>", help="End-of-text token appended to every answer.")
     parser.add_argument("--batch_size", type=int, default=16)
+    add_chat_template_arg(parser)
     return parser.parse_args(argv)
 
 
@@ -86,17 +91,21 @@ def _short(text: str, n: int = 60) -> str:
 def main(args):
     import torch
 
+    from utils.data.chat_template import chat_format
     from utils.model.critic import load_reward_model
 
     rows = rows_from_args(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_reward_model(args.model_name_or_path, device, args.num_padding_at_beginning)
+    model, tokenizer = load_reward_model(args.model_name_or_path, device, args.num_padding_at_beginning,
+                                         apply_chat_template=args.apply_chat_template)
+    chat = chat_format(tokenizer, args.model_name_or_path) if args.apply_chat_template else None
     pairs = []
     for row in rows:
         for key in ("answer", "chosen", "rejected"):
             if key in row:
                 pairs.append((row["prompt"], row[key]))
-    scores = iter(score_texts(model, tokenizer, pairs, args.max_seq_len, args.eot_token, args.batch_size, device))
+    scores = iter(score_texts(model, tokenizer, pairs, args.max_seq_len, args.eot_token, args.batch_size, device,
+                              chat))
     results, correct, compared = [], 0, 0
     for i, row in enumerate(rows):
         out = dict(row)

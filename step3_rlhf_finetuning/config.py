@@ -25,7 +25,8 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     backend: str = "auto"
-    eot_token: str | None = None  # the answer-ending token when --add_eot_token added it; else the tokenizer's EOS
+    eot_token: str | None = None  # the answer-ending token besides the EOS: the chat template's end of turn
+    # (--apply_chat_template) or the --eot_token that --add_eot_token added; else None
     print_answers: bool = False
     print_answers_interval: int = 1
 
@@ -169,7 +170,7 @@ class Step3Config:
     @classmethod
     def from_args(cls, args) -> "Step3Config":
         """From step 3's parsed flags, after :func:`utils.training.start_run` resolved ``--dtype``."""
-        from utils.training import OptimConfig
+        from utils.training import OptimConfig, answer_end_token
 
         dtype, unsupervised = args.dtype, bool(args.unsupervised_dataset_name)
         if dtype is None:
@@ -215,7 +216,7 @@ class Step3Config:
                                       max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                       backend=args.generation_backend,
-                                      eot_token=args.eot_token if args.add_eot_token else None,
+                                      eot_token=answer_end_token(args, args.actor_model_name_or_path),
                                       print_answers=args.print_answers,
                                       print_answers_interval=args.print_answers_interval)
         return cls(engine=engine, ppo=ppo, reward=reward, generation=generation, unsupervised=unsupervised)

@@ -267,7 +267,8 @@ def create_datasets(args, tokenizer, log):
     """(prompt dataset, prompt loader, unsupervised loader or None, RL steps, total optimizer steps per model)."""
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
                                        args.seed, tokenizer, args.max_prompt_seq_len,
-                                       end_of_conversation_token=args.eot_token, log=log.info)
+                                       end_of_conversation_token=args.eot_token, log=log.info,
+                                       apply_chat_template=args.apply_chat_template)
 
     # shuffled per (seed, epoch); a checkpoint restores their position
     prompt_loader = resumable_loader(prompts, args.per_device_generation_batch_size, args.seed,

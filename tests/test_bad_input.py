@@ -101,7 +101,7 @@ CLI_CASES = {
                                                "200"], {}, ["--max_prompt_seq_len + --max_answer_seq_len = 600",
                                                             "512 positions"], {}),
     "actor_and_reward_vocabularies_differ": (STEP3, [*STEP3_MODELS, "--critic_model_name_or_path", "{rm_llama}"], {},
-                                             ["vocabulary mismatch", "669 tokens", "671 tokens",
+                                             ["vocabulary mismatch", "669 tokens", "673 tokens",
                                               "--allow_vocab_mismatch"], {}),
     "truncated_weights_step1": (STEP1, [*TINY, "--model_name_or_path", "{dir}/model"], {},
                                 ["--model_name_or_path", "model.safetensors is damaged", "truncated"],
@@ -394,7 +394,7 @@ def test_vocabularies_must_match_unless_allowed(reward_folder, llama_reward_fold
     from utils.preflight import check_shared_vocabulary, preflight
 
     check_shared_vocabulary("tiny-opt", str(reward_folder))
-    with pytest.raises(UserInputError, match=r"tiny-opt \(669 tokens\) and --critic_model_name_or_path .* \(671 "
+    with pytest.raises(UserInputError, match=r"tiny-opt \(669 tokens\) and --critic_model_name_or_path .* \(673 "
                                              r"tokens\) disagree on \d+ tokens"):
         check_shared_vocabulary("tiny-opt", str(llama_reward_folder))
     args = SimpleNamespace(output_dir=None, trust_remote_code=False, allow_vocab_mismatch=False)

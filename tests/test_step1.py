@@ -162,3 +162,15 @@ def test_prompt_eval_compares_two_local_folders(tmp_path):
     bad = run_entry("step1_supervised_finetuning/prompt_eval.py", "--model_name_or_path_baseline", baseline,
                     "--model_name_or_path_finetune", tmp_path / "missing")
     assert bad.returncode == 2 and "missing" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_progress_bars_count_the_micro_batches_that_run():
+    """Steps 1, 2 and DPO: with --max_steps the epoch's bar counts the steps left, not the whole epoch (104
+    micro-batches under --max_steps 20 in issue 23); tests/test_chat_template.py sees "0/3" on real runs."""
+    from utils.training import micro_batches_to_run
+
+    assert micro_batches_to_run(104) == 104 and micro_batches_to_run(104, max_steps=0, step=50) == 104
+    assert micro_batches_to_run(104, max_steps=20) == 20
+    assert micro_batches_to_run(104, max_steps=20, step=15, grad_accum=4) == 20  # 5 steps of 4 micro-batches
+    assert micro_batches_to_run(30, max_steps=20, step=5, grad_accum=4) == 30  # the epoch ends first
+    assert micro_batches_to_run(30, max_steps=20, step=20) == 0  # nothing left (a resumed, finished run)

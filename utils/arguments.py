@@ -50,7 +50,23 @@ def add_data_args(parser: argparse.ArgumentParser):
                    help="End-of-text token appended to every chosen and rejected text of step 2 and DPO (step 1 "
                         "appends the tokenizer's EOS token instead, as DeepSpeed-Chat does); with --add_eot_token "
                         "step 3's answers also end at it.")
+    add_chat_template_arg(g)
     return g
+
+
+def add_chat_template_arg(group, auto: bool = False) -> None:
+    """``--apply_chat_template`` (:mod:`utils.data.chat_template`): off by default in the training steps,
+    prompt_eval and rw_eval (DeepSpeed-Chat's text, so every reference command keeps its meaning); with
+    ``auto`` (chat.py) on when the model has a template, ``--no-apply_chat_template`` turning it off."""
+    what = ("Format prompts and answers with the tokenizer's chat template (prompts end with its generation "
+            "prompt, answers with its end-of-turn token, where the reward score sits)")
+    if auto:
+        group.add_argument("--apply_chat_template", action=argparse.BooleanOptionalAction, default=None,
+                           help=what + "; default: when the model has one, else DeepSpeed-Chat's ' Human: … "
+                                       "Assistant:' text.")
+    else:
+        group.add_argument("--apply_chat_template", action="store_true",
+                           help=what + " instead of DeepSpeed-Chat's ' Human: … Assistant:' text.")
 
 
 def add_model_args(parser: argparse.ArgumentParser):

@@ -5,9 +5,9 @@ is built, and before anything is written (no output folder, no log file).
     preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path})
 
 checks the output folder can be written, that each causal-LM path exists and is not a
-step-2 reward-model folder, that each reward-model path is a step-2 folder, and reads
-and validates local data files (hub data sets are only resolved: reading them would
-mean downloading).
+step-2 reward-model folder (and, with ``--apply_chat_template``, has a chat template), that
+each reward-model path is a step-2 folder, and reads and validates local data files (hub
+data sets are only resolved: reading them would mean downloading).
 """
 from __future__ import annotations
 
@@ -57,6 +57,14 @@ def check_causal_lm_path(flag: str, name_or_path: str) -> str:
                              "not a causal language model; give the step-1 output (or a base model) here")
     check_weights_readable(flag, path)
     return path
+
+
+def check_chat_template(flag: str, name_or_path: str, trust_remote_code: bool = False) -> None:
+    """``--apply_chat_template`` needs a tokenizer with a chat template that formats a conversation."""
+    from utils.data.chat_template import chat_format
+    from utils.model.model_utils import load_hf_tokenizer
+
+    chat_format(load_hf_tokenizer(name_or_path, trust_remote_code=trust_remote_code), f"{flag} {name_or_path}")
 
 
 def check_weights_readable(flag: str, folder: str) -> None:
@@ -261,6 +269,8 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
         check_causal_lm_path(flag, name)
         if length:
             check_sequence_fits(flag, name, *length)
+        if getattr(args, "apply_chat_template", False):
+            check_chat_template(flag, name, getattr(args, "trust_remote_code", False))
     for flag, name in dict(reward_models).items():
         check_reward_model_path(flag, name)
         if length:

@@ -40,11 +40,24 @@ def start_run(args, name: str):
 
 
 def load_tokenizer(args, name_or_path: str):
-    """The run's tokenizer: ``name_or_path``'s, plus ``--eot_token`` as a special token with ``--add_eot_token``."""
+    """The run's tokenizer: ``name_or_path``'s, plus ``--eot_token`` as a special token with ``--add_eot_token``;
+    with ``--apply_chat_template`` it must have a chat template, and pads with a token the template never writes."""
     from utils.model.model_utils import load_hf_tokenizer
 
     eot = args.eot_token if args.add_eot_token else None
-    return load_hf_tokenizer(name_or_path, add_special_tokens=eot, trust_remote_code=args.trust_remote_code)
+    return load_hf_tokenizer(name_or_path, add_special_tokens=eot, trust_remote_code=args.trust_remote_code,
+                             apply_chat_template=getattr(args, "apply_chat_template", False))
+
+
+def answer_end_token(args, name_or_path: str) -> str | None:
+    """The token that ends an answer besides the EOS (step 3's ``GenerationConfig.eot_token``): the chat
+    template's end-of-turn token with ``--apply_chat_template``, ``--eot_token`` with ``--add_eot_token``,
+    else None."""
+    if getattr(args, "apply_chat_template", False):
+        from utils.data.chat_template import chat_format
+
+        return chat_format(load_tokenizer(args, name_or_path), name_or_path).eot
+    return args.eot_token if args.add_eot_token else None
 
 
 # --------------------------------------------------------------------------- DeepSpeed configs
@@ -98,12 +111,21 @@ def make_loaders(train_dataset, eval_dataset, collate, args):
                              sampler=sampler)
 
 
-def epoch_micro_batches(loader, epoch: int, skip: int, epochs: int, log, desc: str):
+def micro_batches_to_run(batches: int, max_steps: int = 0, step: int = 0, grad_accum: int = 1) -> int:
+    """Micro-batches an epoch of ``batches`` runs: all, unless ``--max_steps`` ends the run first (``step``
+    optimizer steps done, ``grad_accum`` micro-batches each)."""
+    return max(0, min(batches, (max_steps - step) * grad_accum)) if max_steps else batches
+
+
+def epoch_micro_batches(loader, epoch: int, skip: int, args, log, desc: str, step: int = 0):
     """``(micro_step, batch)`` pairs of one epoch behind a progress bar, numbered from ``skip``: the loader's
-    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming)."""
+    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming). With
+    ``--max_steps`` only the micro-batches of the steps left after ``step`` come (and the bar counts those)."""
     loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
-    log.info(f"Beginning of Epoch {epoch + 1}/{epochs}, Total Micro Batches {len(loader)}")
-    return enumerate(log.progress(loader, desc=desc), start=skip)
+    total = micro_batches_to_run(len(loader), args.max_steps, step, args.gradient_accumulation_steps)
+    log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(loader)}"
+             + (f" ({total} of them run: --max_steps {args.max_steps})" if total < len(loader) else ""))
+    return enumerate(log.progress(itertools.islice(loader, total), desc=desc, total=total), start=skip)
 
 
 def eval_batches(loader, eval_iters: int):

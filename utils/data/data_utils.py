@@ -8,6 +8,8 @@ phase    one sample                           collated batch
 =======  ===================================  =====================================================
 1 (SFT)  prompt+chosen+eot                    input_ids/attention_mask/labels [B, L], right-padded,
                                               labels = ids with padding → -100
+         (chat template: {"input_ids",        (and the prompt's tokens → -100)
+         "prompt_length"})
 2 (RM)   (prompt+chosen+eot, prompt+rej+eot)  input_ids/attention_mask [2B, L] = [chosen…; rejected…]
 3 (PPO)  {"input_ids": prompt, "prompt": its   prompt/prompt_att_mask [B, max_prompt_len], LEFT-padded;
          text, "row": the dataset row}        prompt_text and rows: lists of the texts and rows
@@ -17,6 +19,11 @@ A phase-3 ``row`` is the dataset row's fields (those holding text, numbers, bool
 None) plus ``"reference_answer"``: the answer the adapter reads from the row (a ``chosen``
 answer, gsm8k's worked solution), or None. Reward functions read it (:mod:`utils.reward_functions`).
 
+With ``--apply_chat_template`` (``apply_chat_template=True``) the texts are the tokenizer's chat template's
+(:mod:`utils.data.chat_template`): the prompt is the row's messages with the generation prompt, the answer the
+assistant turn up to its end-of-turn token (which replaces ``end_of_conversation_token``), both tokenised as
+written; the SFT loss (and perplexity) then covers the answer only, as TRL and OpenRLHF do.
+
 Phases 1 and 2 pad to the longest sequence of the batch (rounded up to a
 multiple of 8) instead of to ``max_seq_len``: the losses are the same, the
 compute is not. Phase 3 pads to exactly ``max_prompt_seq_len`` like the reference.
@@ -24,7 +31,8 @@ compute is not. Phase 3 pads to exactly ``max_prompt_seq_len`` like the referenc
 Tokenised data are cached under ``--data_output_path`` keyed by a sha256 of
 everything that changes the result: the datasets' content fingerprints (local
 files: path, size, mtime), split, phase, seed, the tokenizer's vocabulary and
-special tokens, ``max_seq_len``, the end-of-text token and the sft-only sets.
+special tokens, ``max_seq_len``, the end-of-text token, the sft-only sets and, when applied, the chat
+template.
 Local rank 0 builds the cache (written atomically); other ranks wait at a
 barrier and then read it.
 """
@@ -39,6 +47,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from utils.data.chat_template import chat_format
 from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
@@ -83,9 +92,47 @@ def portable_row(raw_dataset, row) -> dict:
     return fields
 
 
+def _chat_sample(raw_dataset, row, train_phase: int, chat, max_seq_len: int) -> tuple:
+    """``(sample, None)`` or ``(None, why it is skipped)`` of one row in the chat template's format ``chat``
+    (a :class:`~utils.data.chat_template.ChatFormat`)."""
+    messages = raw_dataset.get_prompt_messages(row)
+    if messages is None:
+        return None, "empty prompt"
+    if train_phase == 3:
+        prompt = chat.prompt(messages)
+        ids = chat.encode(prompt)
+        if len(ids) > max_seq_len:
+            return None, f"prompt longer than {max_seq_len} tokens"
+        return {"input_ids": torch.tensor(ids, dtype=torch.int32), "prompt": prompt,
+                "row": portable_row(raw_dataset, row)}, None
+
+    def ids(answer):
+        prompt_ids, answer_ids = chat.conversation_ids(messages, answer)
+        return torch.tensor((prompt_ids + answer_ids)[:max_seq_len], dtype=torch.int32), len(prompt_ids)
+
+    chosen = raw_dataset.get_chosen(row)
+    if train_phase == 1:
+        if _blank(chosen):
+            return None, "empty chosen answer"
+        sample, prompt_length = ids(chosen)
+        if prompt_length >= max_seq_len:
+            return None, f"prompt of {max_seq_len}+ tokens leaves no answer token"
+        return {"input_ids": sample, "prompt_length": prompt_length}, None
+    rejected = raw_dataset.get_rejected(row)
+    if rejected is None:
+        return None, "no rejected answer"
+    if _blank(chosen) or _blank(rejected):
+        return None, "empty chosen or rejected answer"
+    (c, _), (r, _) = ids(chosen), ids(rejected)
+    if torch.equal(c, r):
+        return None, "chosen and rejected tokenise identically"
+    return (c, r), None
+
+
 def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conversation_token: str,
-                   max_seq_len: int) -> PromptDataset:
-    """Tokenise ``rows`` of ``raw_dataset`` for one phase, skipping (and counting) unusable rows."""
+                   max_seq_len: int, chat=None) -> PromptDataset:
+    """Tokenise ``rows`` of ``raw_dataset`` for one phase, skipping (and counting) unusable rows; in the chat
+    template's format ``chat`` when given (module docstring)."""
     samples, skipped = [], {}
 
     def skip(reason):
@@ -93,7 +140,13 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
 
     eot = end_of_conversation_token or ""
     for row in rows:
-        if train_phase == 1:
+        if chat is not None:
+            sample, reason = _chat_sample(raw_dataset, row, train_phase, chat, max_seq_len)
+            if sample is None:
+                skip(reason)
+            else:
+                samples.append(sample)
+        elif train_phase == 1:
             text = raw_dataset.get_prompt_and_chosen(row)
             if _blank(text) or _blank(raw_dataset.get_chosen(row)):
                 skip("empty chosen answer")
@@ -133,14 +186,14 @@ def _phase_rows(raw_dataset, split_name: str, data, output_path, seed, data_spli
 
 
 def create_dataset(local_rank, dataset_name, data_split, output_path, train_phase, seed, tokenizer,
-                   end_of_conversation_token, max_seq_len):
-    """One dataset's (train, eval) phase datasets."""
+                   end_of_conversation_token, max_seq_len, chat=None):
+    """One dataset's (train, eval) phase datasets (``chat``: :func:`tokenize_phase`)."""
     raw = get_raw_dataset(dataset_name, output_path, seed, local_rank)
     out = []
     for split_name, data in (("train", raw.get_train_data()), ("eval", raw.get_eval_data())):
         rows = _phase_rows(raw, split_name, data, output_path, seed, data_split, train_phase)
         out.append(tokenize_phase(raw, rows, train_phase, tokenizer, end_of_conversation_token,
-                                  max_seq_len))
+                                  max_seq_len, chat))
     return out[0], out[1], raw
 
 
@@ -166,11 +219,14 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 
 
 def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
-              sft_only_data_path, fingerprints) -> str:
-    """sha256 over everything that changes the tokenised result (see module docstring)."""
+              sft_only_data_path, fingerprints, chat_template: str | None = None) -> str:
+    """sha256 over everything that changes the tokenised result (see module docstring); ``chat_template``: the
+    template's text when it is applied (without one the key is what it always was)."""
     parts = dict(version=CACHE_VERSION, data_path=list(data_path), fingerprints=fingerprints,
                  data_split=data_split, phase=train_phase, seed=seed, tokenizer=_tokenizer_fingerprint(tokenizer),
                  max_seq_len=max_seq_len, eot=end_of_conversation_token, sft_only=list(sft_only_data_path))
+    if chat_template is not None:
+        parts["chat_template"] = chat_template
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -219,10 +275,12 @@ def check_data_sources(names: Sequence[str], output_path: str, seed: int) -> Non
 
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token="<|endoftext|>", sft_only_data_path=(),
-                          reload=False, log=print):
+                          reload=False, log=print, apply_chat_template=False):
     """(train, eval) :class:`PromptDataset` for ``train_phase``, built once and cached.
 
-    ``--sft_only_data_path`` datasets go whole (split 10,0,0) into phase 1 only.
+    ``--sft_only_data_path`` datasets go whole (split 10,0,0) into phase 1 only. ``apply_chat_template``:
+    the tokenizer's chat template formats the texts (module docstring; a tokenizer without one is a
+    :class:`UserInputError`).
     Raises :class:`UserInputError` when nothing usable is left.
     """
     if train_phase not in (1, 2, 3):
@@ -231,10 +289,14 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     sft_only = list(sft_only_data_path or [])
     if not data_path:
         raise UserInputError("--data_path: give at least one dataset")
+    chat = chat_format(tokenizer, getattr(tokenizer, "name_or_path", None) or "the model") \
+        if apply_chat_template else None
+    if chat is not None:
+        log(chat.describe())
     os.makedirs(output_path, exist_ok=True)
     fingerprints = _fingerprints(data_path + sft_only, output_path, seed, local_rank)
     key = cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
-                    sft_only, fingerprints)
+                    sft_only, fingerprints, chat_template=tokenizer.chat_template if chat else None)
     train_file = os.path.join(output_path, f"traindata_phase{train_phase}_{key}.pt")
     eval_file = os.path.join(output_path, f"evaldata_phase{train_phase}_{key}.pt")
     cached = os.path.isfile(train_file) and os.path.isfile(eval_file)
@@ -243,10 +305,10 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
         parts = {"data": [], "sft": []}  # (train, eval) of each dataset
         for name in data_path:
             parts["data"].append(create_dataset(local_rank, name, data_split, output_path, train_phase, seed,
-                                                tokenizer, end_of_conversation_token, max_seq_len)[:2])
+                                                tokenizer, end_of_conversation_token, max_seq_len, chat)[:2])
         for name in sft_only if train_phase == 1 else ():
             parts["sft"].append(create_dataset(local_rank, name, "10,0,0", output_path, 1, seed, tokenizer,
-                                               end_of_conversation_token, max_seq_len)[:2])
+                                               end_of_conversation_token, max_seq_len, chat)[:2])
         train_dataset, eval_dataset = (blend([d[i] for d in parts["data"]], [d[i] for d in parts["sft"]], seed,
                                              train_phase) for i in (0, 1))
         _save({"samples": train_dataset.samples, "stats": train_dataset.stats}, train_file)
@@ -305,15 +367,20 @@ def pad_multiple(device) -> int:
 
 class DataCollatorSFT:
     """Phase 1: right-pad to the batch's longest (rounded up to ``pad_to_multiple``, ≤ max_seq_len);
-    labels ignore padding."""
+    labels ignore padding, and a chat-template sample's prompt (its first ``prompt_length`` tokens)."""
 
     def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8):
         self.pad_token_id, self.max_seq_len, self.multiple = pad_token_id, max_seq_len, pad_to_multiple
 
     def __call__(self, samples):
-        length = min(_round_up(max(len(s) for s in samples), self.multiple), self.max_seq_len)
-        ids, mask = _right_pad(samples, length, self.pad_token_id)
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        seqs = [s["input_ids"] if isinstance(s, dict) else s for s in samples]
+        length = min(_round_up(max(len(s) for s in seqs), self.multiple), self.max_seq_len)
+        ids, mask = _right_pad(seqs, length, self.pad_token_id)
+        labels = ids.masked_fill(mask == 0, -100)
+        for i, sample in enumerate(samples):
+            if isinstance(sample, dict):
+                labels[i, :sample["prompt_length"]] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class DataCollatorReward:

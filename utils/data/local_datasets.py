@@ -106,8 +106,11 @@ class LocalJsonFileDataset(PromptRawDataset):
 
 
 # --------------------------------------------------------------------------- local paths
-_ROLE_PREFIX = {"human": " Human: ", "user": " Human: ",
-                "gpt": " Assistant: ", "assistant": " Assistant: ", "system": " "}
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_DSCHAT_PREFIX = {"user": " Human: ", "assistant": " Assistant: ", "system": " "}
+# The prompt's turns as chat messages, kept in the rows of the layouts that have them as fields
+# (read by LocalPathDataset.get_prompt_messages for --apply_chat_template; a list, so never a phase-3 row field)
+PROMPT_MESSAGES = "prompt_messages"
 
 LOCAL_LAYOUTS = (
     '{"prompt", "chosen"[, "rejected"]}',
@@ -163,21 +166,27 @@ class _RowReader:
         return value
 
 
-def _render_turns(reader, turns, field):
+def _turn_messages(reader, turns, field):
+    """LLaMA-Factory ``[{"from", "value"}]`` turns as ``[{"role", "content"}]`` (roles user/assistant/system)."""
     if not isinstance(turns, list):
         reader.fail(field, f"must be a list of {{\"from\", \"value\"}} turns, got {_type_name(turns)}")
-    parts = []
+    messages = []
     for j, turn in enumerate(turns):
         label = f"{field}[{j}]"
         if not isinstance(turn, dict):
             reader.fail(label, f"must be an object {{\"from\", \"value\"}}, got {_type_name(turn)}")
         role = reader.text("from", value=turn.get("from"), label=label + ".from")
         value = reader.text("value", value=turn.get("value"), label=label + ".value")
-        prefix = _ROLE_PREFIX.get(role.lower())
-        if prefix is None:
+        if role.lower() not in _ROLES:
             reader.fail(label + ".from", f"has unsupported role {role!r} (expected human/user, gpt/assistant or system)")
-        parts.append((role.lower(), prefix + value))
-    return parts
+        messages.append({"role": _ROLES[role.lower()], "content": value})
+    return messages
+
+
+def dschat_prompt(messages):
+    """A prompt's messages in the text convention: " Human: q Assistant: a ... Human: q Assistant:"
+    (a system message is written as " " + its text)."""
+    return "".join(_DSCHAT_PREFIX[m["role"]] + m["content"] for m in messages) + " Assistant:"
 
 
 def _answer_value(reader, field):
@@ -188,8 +197,14 @@ def _answer_value(reader, field):
     return reader.text(field)
 
 
+def _system(reader):
+    system = reader.text("system", required=False)
+    return [{"role": "system", "content": system}] if system else []
+
+
 def _canonical_row(layout, reader):
-    """{"prompt", "chosen", "rejected"} already in the text convention."""
+    """{"prompt", "chosen", "rejected"} already in the text convention (and, for the layouts whose turns are
+    fields, the prompt's messages under PROMPT_MESSAGES)."""
     row = reader.row
     if layout == "prompt_chosen":
         return {"prompt": normalize_prompt(reader.text("prompt")),
@@ -211,27 +226,24 @@ def _canonical_row(layout, reader):
         return {"prompt": prompt, "chosen": normalize_answer(chosen[len(prompt):]),
                 "rejected": normalize_answer(rejected_answer)}
     if layout in ("conversations_pairwise", "conversations_sft"):
-        turns = _render_turns(reader, row.get("conversations"), "conversations")
-        system = reader.text("system", required=False)
-        prefix = " " + system if system else ""
+        turns = _turn_messages(reader, row.get("conversations"), "conversations")
         if layout == "conversations_pairwise":
             chosen = _answer_value(reader, "chosen")
             rejected = _answer_value(reader, "rejected")
         else:
-            if not turns or turns[-1][0] not in ("gpt", "assistant"):
+            if not turns or turns[-1]["role"] != "assistant":
                 reader.fail("conversations", "must end with a gpt/assistant turn (the answer) "
                             "when the row has no \"chosen\"")
-            chosen = turns[-1][1][len(" Assistant: "):]
-            turns = turns[:-1]
+            chosen = turns.pop()["content"]
             rejected = None
-        prompt = prefix + "".join(text for _, text in turns) + " Assistant:"
-        return {"prompt": prompt, "chosen": _answer(chosen), "rejected": _answer(rejected)}
+        messages = _system(reader) + turns
+        return {"prompt": dschat_prompt(messages), "chosen": _answer(chosen), "rejected": _answer(rejected),
+                PROMPT_MESSAGES: messages}
     if layout in ("alpaca", "alpaca_pairwise"):
         instruction = reader.text("instruction")
         extra = reader.text("input", required=False)
         query = instruction + "\n" + extra if extra else instruction
-        system = reader.text("system", required=False)
-        prompt = " " + system if system else ""
+        messages = _system(reader)
         history = row.get("history")
         if history:
             if not isinstance(history, list):
@@ -240,15 +252,17 @@ def _canonical_row(layout, reader):
                 if not (isinstance(pair, (list, tuple)) and len(pair) == 2
                         and all(isinstance(x, str) for x in pair)):
                     reader.fail(f"history[{j}]", "must be a [question, answer] pair of strings")
-                prompt += " Human: " + pair[0] + " Assistant: " + pair[1]
-        prompt += " Human: " + query + " Assistant:"
+                messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        messages.append({"role": "user", "content": query})
         if layout == "alpaca":
-            return {"prompt": prompt, "chosen": _answer(reader.text("output")), "rejected": None}
-        return {"prompt": prompt, "chosen": _answer(_answer_value(reader, "chosen")),
-                "rejected": _answer(_answer_value(reader, "rejected"))}
+            chosen, rejected = _answer(reader.text("output")), None
+        else:
+            chosen, rejected = _answer(_answer_value(reader, "chosen")), _answer(_answer_value(reader, "rejected"))
+        return {"prompt": dschat_prompt(messages), "chosen": chosen, "rejected": rejected, PROMPT_MESSAGES: messages}
     # qa
-    return {"prompt": _wrap_prompt(reader.text("question")),
-            "chosen": _answer(reader.text("answer")), "rejected": None}
+    question = reader.text("question")
+    return {"prompt": _wrap_prompt(question), "chosen": _answer(reader.text("answer")), "rejected": None,
+            PROMPT_MESSAGES: [{"role": "user", "content": question}]}
 
 
 def _arrow_is_string(feature):
@@ -333,6 +347,12 @@ class LocalPathDataset(PromptRawDataset):
 
     def get_rejected(self, sample):
         return normalize_answer(sample.get("rejected"))
+
+    def get_prompt_messages(self, sample):
+        messages = sample.get(PROMPT_MESSAGES)
+        if messages:  # the layouts whose turns are fields (conversations, alpaca, question/answer)
+            return [dict(m) for m in messages]
+        return super().get_prompt_messages(sample)
 
 
 # --------------------------------------------------------------------------- builtin

@@ -7,6 +7,9 @@ uses::
     chosen   " <answer>"                          (answers start with a space)
     rejected " <answer>"  or None when the source has no rejected answer (SFT-only)
     prompt_and_chosen / prompt_and_rejected = prompt + answer (None when either is None)
+    prompt_messages  the prompt as chat messages [{"role", "content"}] (``--apply_chat_template``,
+                     :mod:`utils.data.chat_template`): read back from the prompt text, or built from
+                     the row's own turns by the local layouts that have them
 
 Sets without an eval split are split 9:1 into train/eval with
 :func:`utils.data.split.get_split_index` (split name ``train_eval``, ``9,1``).
@@ -33,6 +36,7 @@ import os
 
 from utils.data.sources import (EVAL_SPLIT_NAMES, _column_names, _combine, _concat, _safe_name,
                                 _select, _type_name)
+from utils.data.chat_template import dschat_messages
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
 
@@ -188,6 +192,11 @@ class PromptRawDataset:
 
     def get_prompt_and_chosen(self, sample):
         return _concat(self.get_prompt(sample), self.get_chosen(sample))
+
+    def get_prompt_messages(self, sample):
+        """The prompt as chat messages (None for a blank prompt): read from the text convention
+        (:func:`utils.data.chat_template.dschat_messages`)."""
+        return dschat_messages(self.get_prompt(sample))
 
     def get_prompt_and_rejected(self, sample):
         return _concat(self.get_prompt(sample), self.get_rejected(sample))

@@ -243,16 +243,18 @@ def save_reward_model(model, tokenizer, output_dir: str, zero_stage: int = 0) ->
         torch.distributed.barrier()
 
 
-def load_reward_model(path: str, device: str | torch.device = "cpu", num_padding_at_beginning: int | None = None):
+def load_reward_model(path: str, device: str | torch.device = "cpu", num_padding_at_beginning: int | None = None,
+                      apply_chat_template: bool = False):
     """``(model, tokenizer)`` from a step-2 folder, in eval mode on ``device`` (fp32).
 
-    ``num_padding_at_beginning`` defaults to the value stored in the folder's marker.
+    ``num_padding_at_beginning`` defaults to the value stored in the folder's marker; ``apply_chat_template``:
+    texts will be formatted with the folder's chat template (:func:`~utils.model.model_utils.load_hf_tokenizer`).
     """
     from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
 
     folder = check_reward_model_folder(resolve_model_name_or_path(path))
     if num_padding_at_beginning is None:
         num_padding_at_beginning = (read_marker(folder) or {}).get("num_padding_at_beginning", 0)
-    tokenizer = load_hf_tokenizer(folder)
+    tokenizer = load_hf_tokenizer(folder, apply_chat_template=apply_chat_template)
     model = create_critic_model(folder, tokenizer, None, num_padding_at_beginning, rlhf_training=True)
     return model.to(device).eval(), tokenizer

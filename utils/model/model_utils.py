@@ -3,7 +3,9 @@
 * :func:`load_hf_tokenizer` resolves built-in names (``tiny-opt`` …), reads a
   local folder with ``local_files_only=True`` (no hub round trip, reference issue
   #460) and applies DeepSpeed-Chat's padding rule: right padding; Llama-family
-  models without a pad token get ``[PAD]``; other models use pad = eos.
+  models without a pad token get ``[PAD]``; other models use pad = eos. With
+  ``apply_chat_template`` the tokenizer must have a chat template, and never pads with a token the
+  template writes (:func:`utils.data.chat_template.use_distinct_pad`).
 * :func:`create_hf_model` applies the dropout override, resizes embeddings to a
   multiple of 8, sets pad/end ids, and under ZeRO-3 builds the model inside a live
   ``HfDeepSpeedConfig`` so parameters are partitioned while loading.
@@ -77,8 +79,10 @@ def _model_type(path: str) -> str:
 
 
 def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_special_tokens=None,
-                      trust_remote_code: bool = False):
+                      trust_remote_code: bool = False, apply_chat_template: bool = False):
     from transformers import AutoTokenizer
+
+    from utils.data.chat_template import use_distinct_pad
 
     path = resolve_model_name_or_path(model_name_or_path)
     local = os.path.isdir(path)
@@ -102,6 +106,8 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_
     if add_special_tokens:
         tokens = [add_special_tokens] if isinstance(add_special_tokens, str) else list(add_special_tokens)
         tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    if apply_chat_template:
+        use_distinct_pad(tokenizer, model_name_or_path)
     return tokenizer
 
 

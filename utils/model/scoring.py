@@ -6,18 +6,39 @@
 """
 
 
-def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu") -> list:
-    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer); list of floats."""
+def _template_batch(tokenizer, chat, chunk, max_seq_len: int):
+    """``(ids, mask, prompt lengths)`` of ``(prompt, answer)`` pairs in the chat template's format, right-padded."""
+    import torch
+
+    from utils.data.chat_template import dschat_messages
+    from utils.data.data_utils import _right_pad
+
+    seqs, prompt_lengths = [], []
+    for prompt, answer in chunk:
+        prompt_ids, answer_ids = chat.conversation_ids(dschat_messages(prompt), answer)
+        seqs.append(torch.tensor((prompt_ids + answer_ids)[:max_seq_len]))
+        prompt_lengths.append(min(len(prompt_ids), max_seq_len))
+    ids, mask = _right_pad(seqs, max(len(s) for s in seqs), tokenizer.pad_token_id)
+    return ids, mask, torch.tensor(prompt_lengths)
+
+
+def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu",
+                chat=None) -> list:
+    """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer), or, with ``chat`` (a
+    :class:`~utils.data.chat_template.ChatFormat`), of the pair in its chat template's format; list of floats."""
     import torch
 
     scores = []
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i:i + batch_size]
-        batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len, padding=True,
-                          return_tensors="pt")  # right padding (load_hf_tokenizer)
-        prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
-                                       for p, _ in chunk])
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if chat is not None:
+            ids, mask, prompt_lengths = _template_batch(tokenizer, chat, chunk, max_seq_len)
+        else:
+            batch = tokenizer([p + a + eot for p, a in chunk], truncation=True, max_length=max_seq_len,
+                              padding=True, return_tensors="pt")  # right padding (load_hf_tokenizer)
+            prompt_lengths = torch.tensor([len(tokenizer(p, truncation=True, max_length=max_seq_len)["input_ids"])
+                                           for p, _ in chunk])
+            ids, mask = batch["input_ids"], batch["attention_mask"]
         with torch.no_grad():
             out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       prompt_length=prompt_lengths.to(device))

@@ -15,11 +15,14 @@ name            architecture                           parameters
 The tokenizer is a byte-level BPE trained with ``tokenizers`` on the built-in dataset's
 text (:mod:`utils.data.builtin`), so any text encodes. ``VOCAB_SIZE`` (1000) is the
 trainer's upper bound; the small corpus yields 669 tokens (``tiny-opt``, ``small-opt``)
-and 671 with ``tiny-llama``'s own special tokens (tests/test_readme.py checks both).
+and 673 with ``tiny-llama``'s own special tokens (tests/test_readme.py checks both).
 ``tiny-opt`` mimics OPT: BOS = EOS = ``<|endoftext|>`` prepended to every text, no pad
 token (the loader sets pad = eos, as DeepSpeed-Chat does), so
-``--num_padding_at_beginning 1``. ``tiny-llama`` mimics Llama: BOS ``<s>``, its
-own ``<pad>``, ``--num_padding_at_beginning 0``.
+``--num_padding_at_beginning 1``, and no chat template. ``tiny-llama`` mimics Llama: BOS ``<s>``, its
+own ``<pad>``, ``--num_padding_at_beginning 0``, and mimics today's instruct models with a ChatML chat
+template (SmolLM2's and Qwen's: ``<|im_start|>user\n…<|im_end|>\n``, two special tokens appended after
+the trained vocabulary) whose end-of-turn token ``<|im_end|>`` is not its EOS, so ``--apply_chat_template``
+is tested offline.
 
 ``python -m utils.model.tiny OUT_DIR --name tiny-opt`` writes a copy to a folder.
 """
@@ -30,7 +33,9 @@ import os
 import shutil
 import tempfile
 
-VERSION = 4  # bump when a config or the tokenizer recipe (incl. the built-in corpus) changes
+VERSION = 5  # bump when a config or the tokenizer recipe (incl. the built-in corpus) changes (5: tiny-llama's template)
+# The seed of the random weights (it was VERSION up to 4): a recipe change of one model leaves the others' weights
+WEIGHT_SEED = 4
 VOCAB_SIZE = 1000
 
 CONFIGS = {
@@ -44,6 +49,12 @@ MAX_POSITIONS = 512
 # token appended to every training text IS the tokenizer's EOS (one special token).
 EOS = "<|endoftext|>"
 PAD = "<pad>"
+# tiny-llama's chat template: ChatML as SmolLM2-Instruct and Qwen write it, after the BOS (tokenised without
+# special tokens, a template text carries its own)
+TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '" + TURN_START + "' + message['role'] + '\n' + "
+                 "message['content'] + '" + TURN_END + "' + '\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '" + TURN_START + "assistant\n' }}{% endif %}")
 
 
 def home() -> str:
@@ -87,7 +98,11 @@ def build_tokenizer(arch: str):
     kwargs = dict(bos_token=bos, eos_token=EOS, unk_token="<unk>")
     if arch == "llama":
         kwargs["pad_token"] = PAD
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_POSITIONS, **kwargs)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=MAX_POSITIONS, **kwargs)
+    if arch == "llama":  # after the trained vocabulary: every other token keeps its id
+        tokenizer.add_special_tokens({"additional_special_tokens": [TURN_START, TURN_END]})
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_config(name: str, tokenizer):
@@ -115,7 +130,7 @@ def build(name: str, out_dir: str) -> str:
 
     tokenizer = build_tokenizer(CONFIGS[name]["arch"])
     config = build_config(name, tokenizer)
-    torch.manual_seed(VERSION)
+    torch.manual_seed(WEIGHT_SEED)
     model = AutoModelForCausalLM.from_config(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
