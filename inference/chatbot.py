@@ -66,15 +66,17 @@ class Chatbot:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from utils.data.chat_template import chat_format, has_chat_template
+        from utils.data.chat_template import chat_format, has_chat_template, trained_with_template
         from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
 
         folder = resolve_model_name_or_path(actor_folder(path))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_hf_tokenizer(folder)
         self.name, self.asked_for_template = path, apply_chat_template
-        if apply_chat_template is None:  # the template when the model has one
-            apply_chat_template = has_chat_template(self.tokenizer)
+        self.trained_format = trained_with_template(folder)  # recorded by the step that saved it, or None
+        if apply_chat_template is None:  # the format it was trained in; else the template when the model has one
+            apply_chat_template = has_chat_template(self.tokenizer) if self.trained_format is None else \
+                self.trained_format and has_chat_template(self.tokenizer)
         self.chat = chat_format(self.tokenizer, path) if apply_chat_template else None  # None: DeepSpeed-Chat's text
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=load_dtype(dtype, self.device.type),
                                                           local_files_only=os.path.isdir(folder))
@@ -93,6 +95,7 @@ class Chatbot:
         if self.chat is not None:
             return f"format: the model's chat template (answers end with {self.chat.eot!r})"
         why = ("--no-apply_chat_template" if self.asked_for_template is False
+               else "the format it was trained in" if self.trained_format is False
                else f"{self.name} has no chat template")
         return f"format: DeepSpeed-Chat's ' Human: … Assistant:' text ({why})"
 

@@ -18,6 +18,7 @@ import torch
 from utils.arguments import single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager
 from utils.compat import check_zero_combination
+from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
@@ -148,7 +149,8 @@ def main(args):
     # ---- save
     if args.output_dir is not None:
         log.info(f"saving the final model to {args.output_dir}")
-        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage)
+        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage,
+                       extra_files=training_format_file(args.apply_chat_template))
     log.close()
     return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": step}
 

@@ -24,6 +24,7 @@ import torch
 from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager
 from utils.compat import check_zero_combination
+from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
@@ -210,7 +211,8 @@ def main(args):
     # ---- save (a plain HF causal-LM folder)
     if args.output_dir is not None:
         log.info(f"saving the final model to {args.output_dir}")
-        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage)
+        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage,
+                       extra_files=training_format_file(args.apply_chat_template))
     log.close()
     return {"margin_before": first["margin"], "margin": metrics["margin"], "accuracy_before": first["acc"],
             "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": step}

@@ -41,6 +41,7 @@ from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, 
                              add_trust_remote_code_arg, apply_test_mode, check_sampling_args, validate_common)
 from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
 from utils.compat import check_zero_combination
+from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
 from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
@@ -478,12 +479,13 @@ def save_models(args, engine, tokenizer, log) -> None:
     """``actor/`` (and ``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``) under ``--output_dir``."""
     saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
     log.info(f"saving {', '.join(saved)} to {args.output_dir}")
-    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage)
+    trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
+    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)
     if engine.critic is not None:
         save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
     if engine.actor_ema is not None:
         save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
-                       args.actor_zero_stage)
+                       args.actor_zero_stage, trained_in)
 
 
 def main(args):

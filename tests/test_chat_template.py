@@ -234,6 +234,30 @@ def test_step3_answers_end_at_the_end_of_turn_token():
         tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
 
 
+def test_chat_py_answers_in_the_format_the_model_was_trained_in(tmp_path):
+    """A step-1/DPO/step-3 folder records whether it was trained with --apply_chat_template (training_format.json):
+    the demo's tiny-llama actor, trained on DeepSpeed-Chat's text, is not chatted with in ChatML though its
+    tokenizer has the template; a folder trained with the template, or recording nothing, uses the template."""
+    import shutil
+
+    from inference.chatbot import Chatbot
+    from utils.data.chat_template import TRAINING_FORMAT_FILE, trained_with_template, training_format_file
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    for applied in (False, True):
+        folder = tmp_path / str(applied)
+        shutil.copytree(resolve_model_name_or_path("tiny-llama"), folder)
+        (folder / TRAINING_FORMAT_FILE).write_text(training_format_file(applied)[TRAINING_FORMAT_FILE])
+        assert trained_with_template(str(folder)) is applied
+        bot = Chatbot(str(folder), max_new_tokens=4, device="cpu")
+        assert (bot.chat is not None) is applied
+        if not applied:
+            assert bot.describe_format().endswith("(the format it was trained in)")
+    assert trained_with_template(str(tmp_path)) is None  # nothing recorded: the template when there is one
+    forced = Chatbot(str(tmp_path / "False"), max_new_tokens=4, device="cpu", apply_chat_template=True)
+    assert forced.chat is not None  # the flag still wins
+
+
 def test_chat_py_uses_the_template_when_the_model_has_one(monkeypatch):
     from inference.chatbot import Chatbot
 

@@ -170,8 +170,8 @@ RUN_LOG = "training.log"  # train.py's copy of a step's console output: written 
 # metrics, tensorboard logs of the per-size scripts): --overwrite deletes these and nothing else.
 RUN_ENTRIES = ("config.json", "generation_config.json", "reward_model.json", "*.safetensors", "*.bin",
                "*.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-               "merges.txt", "chat_template.*", "*.model", "metrics.jsonl*", "checkpoints", "actor", "critic",
-               "actor_ema", "ds_tensorboard_logs", "events.out.tfevents.*")
+               "merges.txt", "chat_template.*", "training_format.json", "*.model", "metrics.jsonl*",
+               "checkpoints", "actor", "critic", "actor_ema", "ds_tensorboard_logs", "events.out.tfevents.*")
 
 
 def finished_model(out_dir: str) -> Optional[str]:

@@ -66,6 +66,29 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+# A causal LM saved by step 1, DPO or step 3 records the format it was trained in, so chat.py answers in it
+TRAINING_FORMAT_FILE = "training_format.json"
+
+
+def training_format_file(apply_chat_template: bool) -> dict:
+    """``extra_files`` for :func:`utils.model.model_utils.save_hf_format`: the training format of the model."""
+    import json
+
+    return {TRAINING_FORMAT_FILE: json.dumps({"apply_chat_template": bool(apply_chat_template)}) + "\n"}
+
+
+def trained_with_template(folder: str) -> bool | None:
+    """Whether the model in ``folder`` was trained with ``--apply_chat_template`` (None: not recorded)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, TRAINING_FORMAT_FILE)) as f:
+            return bool(json.load(f)["apply_chat_template"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class ChatFormat:
     """How one tokenizer's chat template writes prompts and answers (module docstring).
 
