@@ -175,8 +175,10 @@ def test_activation_checkpointing_uses_the_non_deprecated_entry_point(model):
 
 
 def test_unmatched_module_name_is_a_user_error(model):
-    with pytest.raises(UserInputError, match="--lora_module_name 'transformer.h.' matches no nn.Linear"):
+    with pytest.raises(UserInputError, match="--lora_module_name 'transformer.h.' matches no nn.Linear") as err:
         convert_linear_layer_to_lora(model, "transformer.h.", lora_dim=8)
+    assert "its first one is 'model.decoder.layers.0." in str(err.value)  # the error shows what would match
+    assert "try --lora_module_name layers." in str(err.value)
     assert not lora_layers(model)
 
 

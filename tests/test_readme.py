@@ -16,7 +16,7 @@ FLAGS = PAGES["docs/flags.md"]
 
 
 def code_blocks(text):
-    return re.findall(r"```(?:bash|text)?\n(.*?)```", text, re.S)
+    return re.findall(r"```[\w-]*\n(.*?)```", text, re.S)  # any language (mermaid too), so blocks pair up
 
 
 def commands(prefix, pages=PAGES):
@@ -113,7 +113,7 @@ def sections_with_code():
     for text in PAGES.values():
         for section in text.split("\n## ")[1:]:
             title, body = section.split("\n", 1)
-            parts = re.split(r"```(?:bash|text)?\n(.*?)```", body, flags=re.S)
+            parts = re.split(r"```[\w-]*\n(.*?)```", body, flags=re.S)
             for i in range(1, len(parts), 2):
                 yield title, parts[i - 1], parts[i]
 

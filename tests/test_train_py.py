@@ -161,7 +161,7 @@ def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
     heldout = result["heldout"]  # built-in data: the held-out check of the step-1 actor and the reward model
     assert set(heldout["actors"]) == {"1"} and heldout["actors"]["1"]["n"] == 40
     assert 0 <= heldout["actors"]["1"]["rule_score"] <= 1 and len(heldout["actors"]["1"]["samples"]) == 3
-    assert heldout["reward_model"]["pairs"] == 80 and "repeated_word" in heldout["reward_model"]["accuracy"]
+    assert heldout["reward_model"]["pairs"] == 400 and "repeated_word" in heldout["reward_model"]["accuracy"]
     scale = heldout["reward_model"]["scale"]
     assert scale["prompts"] == 40 and len(scale["ranked"]) == 4 and all(0 <= v <= 1 for v in scale["ranked"].values())
     assert "held-out check without the reward model" in res.stdout

@@ -80,8 +80,11 @@ def convert_linear_layer_to_lora(model: nn.Module, part_module_name, lora_dim: i
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and any(p in name for p in parts)]
     if not names:
+        linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        hint = f" (its first one is {linears[0]!r}" + (", so try --lora_module_name layers." if any(
+            ".layers." in n for n in linears) else "") + ")" if linears else ""
         raise UserInputError(f"--lora_module_name {part_module_name!r} matches no nn.Linear layer of "
-                             f"{type(model).__name__}")
+                             f"{type(model).__name__}{hint}")
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
