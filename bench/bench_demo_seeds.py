@@ -62,14 +62,19 @@ def run_demo(seed: int, work: str, reuse: bool = False) -> dict:
     return result
 
 
-def run_oracle(seed: int, work: str, reward_fn: str) -> dict:
-    """The demo's step-3 command with ``--reward_fn reward_fn``, then the held-out check of its actor."""
+def run_oracle(seed: int, work: str, reward_fn: str, reuse: bool = False) -> dict:
+    """The demo's step-3 command with ``--reward_fn reward_fn``, then the held-out check of its actor; with
+    ``reuse``, an earlier run's results in ``work``."""
     import train
     from utils.heldout import heldout_check
 
+    out = os.path.join(work, f"oracle-{reward_fn}")
+    saved = os.path.join(out, "bench_oracle.json")
+    if reuse and os.path.isfile(saved):
+        with open(saved) as f:
+            return json.load(f)
     args = train.parse_args(demo_args(seed, work) + ["--step", "3"])
     cmd = train.make_plan(args, gpus=0)[-1].cmd
-    out = os.path.join(work, f"oracle-{reward_fn}")
     cmd[cmd.index("--output_dir") + 1] = out
     start = time.time()
     proc = subprocess.run(cmd + ["--reward_fn", reward_fn, "--overwrite"], cwd=REPO, capture_output=True, text=True,
@@ -79,7 +84,10 @@ def run_oracle(seed: int, work: str, reward_fn: str) -> dict:
     wall = time.time() - start
     check = heldout_check({3: os.path.join(out, "actor")}, None, "builtin/demonstrations",
                           train.step3_sampling(args))
-    return {"wall": wall, "actor": check["actors"]["3"]}
+    result = {"wall": wall, "actor": check["actors"]["3"]}
+    with open(saved, "w") as f:
+        json.dump(result, f)
+    return result
 
 
 def scores(actor: dict) -> dict:
@@ -114,7 +122,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 7, 99])
     parser.add_argument("--work", default=None, help="Output folder (default: a new temporary one).")
     parser.add_argument("--oracles", nargs="*", default=list(ORACLES), help="Reward functions of the oracle runs.")
-    parser.add_argument("--reuse", action="store_true", help="Reuse the demo runs already in --work.")
+    parser.add_argument("--reuse", action="store_true", help="Reuse the demo and oracle runs already in --work.")
     parser.add_argument("--json", default=None, help="Also write the results here.")
     args = parser.parse_args(argv)
     import tempfile
@@ -130,7 +138,7 @@ def main(argv=None) -> int:
         oracles = {}
         for reward_fn in args.oracles:
             print(f"seed {seed}: the oracle (step 3 with --reward_fn {reward_fn}) ...", flush=True)
-            oracles[reward_fn] = scores(run_oracle(seed, folder, reward_fn)["actor"])
+            oracles[reward_fn] = scores(run_oracle(seed, folder, reward_fn, args.reuse)["actor"])
         row = {"seed": seed, "wall": demo["wall"], "sft": sft, "ppo": ppo, "oracles": oracles, "chat": demo["chat"],
                "scale": heldout["reward_model"]["scale"]["ranked"], **verdict(sft, ppo, oracles, demo["chat"])}
         results.append(row)

@@ -42,3 +42,40 @@ def test_gpu_recipe_flags_are_accepted_by_each_step(step, tmp_path):
     else:
         validate_common(args)
         check_zero_combination(args)
+
+
+def load_real_model_bench():
+    spec = importlib.util.spec_from_file_location("bench_real_model", REPO / "bench" / "bench_real_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STEP_OF = {"step 1": "1", "step 2": "2", "DPO": "dpo", "step 3": "3"}
+
+
+@pytest.mark.parametrize("fmt", ["dschat", "template"])
+def test_real_model_bench_commands_are_accepted_by_each_step(fmt, tmp_path):
+    """bench/bench_real_model.py needs a SmolLM2 folder (~100 MB, never in the test run): its commands are
+    checked here against the steps' parsers, so it does not rot unseen."""
+    bench = load_real_model_bench()
+    options = Namespace(max_seq_len=192, max_answer_len=64, sft_steps=20, rm_steps=30, ppo_steps=4, dpo_steps=10)
+    plan = bench.step_commands(fmt, "model", "data.jsonl", str(tmp_path), options)
+    assert list(plan) == ["step 1", "step 2", "step 3", "DPO"]  # steps 2 and 3 read the folders written before
+    for name, cmd in plan.items():
+        module = MAINS[STEP_OF[name]]
+        assert cmd[1] == module.replace(".", "/") + ".py"
+        args = importlib.import_module(module).parse_args(cmd[2:])
+        assert args.apply_chat_template == (fmt == "template")
+        args.dtype = "fp32"
+        if name == "step 3":
+            validate_step3(args)
+            assert args.max_prompt_seq_len + args.max_answer_seq_len == 192 and args.max_steps == 4
+        else:
+            validate_common(args)
+
+
+def test_real_model_bench_skips_in_one_line_without_the_model(tmp_path, capsys):
+    assert load_real_model_bench().main(["--model", str(tmp_path / "absent")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"skipped: no model folder at {tmp_path / 'absent'}")
