@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="One GPU (CPU when there is none), all GPUs of this node, or several nodes (--hostfile).")
     p.add_argument("--num-gpus", type=int, default=None,
                    help="single_node: GPUs to use (default: all).")
-    p.add_argument("--cpu-ranks", type=int, default=1,
+    p.add_argument("--cpu-ranks", type=cpu_ranks, default=1,
                    help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
     p.add_argument("--hostfile", default="/job/hostfile",
                    help="multi_node: DeepSpeed hostfile (one \"host slots=N\" line per node; DeepSpeed's default).")
@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "old model, checkpoints and metrics.jsonl first); without it such a step is refused.")
     p.add_argument("--dry-run", action="store_true", help="Print the commands without running them.")
     return p
+
+
+def cpu_ranks(text: str) -> int:
+    """argparse type of --cpu-ranks: 1 to this machine's core count (more processes than cores only thrash)."""
+    value, cores = int(text), os.cpu_count() or 1
+    if not 1 <= value <= cores:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {cores} (this machine's cores), got {value}")
+    return value
 
 
 def parse_args(argv=None):

@@ -189,6 +189,17 @@ def validate(args) -> None:
     if args.max_new_tokens < 1:
         raise UserInputError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     check_sampling_args(args)
+    if args.device:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            raise UserInputError(f"--device {args.device}: {e}") from None
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= gpus:
+            raise UserInputError(f"--device {args.device}: this machine has {gpus} CUDA GPU(s); "
+                                 "leave --device out to use what there is")
     check_causal_lm_path("--path", actor_folder(args.path))
 
 

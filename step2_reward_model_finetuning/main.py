@@ -21,6 +21,7 @@ from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
+from utils.errors import UserInputError
 from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
@@ -69,16 +70,16 @@ def evaluate_reward(model, dataloader, device, eval_iters: int) -> dict:
             "loss": loss_sum / batches}
 
 
-def check_padding_at_beginning(dataset, pad_token_id: int, npab: int, log) -> None:
-    """Warn when the data's leading pad-id tokens disagree with ``--num_padding_at_beginning``.
-
-    With OPT-style tokenizers (BOS = pad) and npab 0 every score would be read at position 0.
-    """
+def check_padding_at_beginning(dataset, pad_token_id: int, npab: int) -> None:
+    """Refuse a ``--num_padding_at_beginning`` the tokenised data contradict (a difference from DeepSpeed-Chat,
+    which trains on): with OPT-style tokenizers (BOS = pad) and 0, every score is read at position 0 and the
+    reward model learns nothing (accuracy 0, loss ln 2 throughout); other values read it in the wrong place."""
     leading = {count_leading_pads(chosen, pad_token_id) for chosen, _ in dataset.samples[:32]}
-    if leading != {npab}:
-        log.warning(f"--num_padding_at_beginning is {npab} but the tokenised sequences start with "
-                    f"{'/'.join(map(str, sorted(leading)))} pad-id token(s); scores may be read at the wrong "
-                    "position (OPT-style tokenizers whose BOS is the pad token need 1, most others 0)")
+    if leading and leading != {npab}:
+        found = "/".join(map(str, sorted(leading)))
+        raise UserInputError(f"--num_padding_at_beginning {npab}, but this tokenizer starts every text with {found} "
+                             f"pad token(s): pass --num_padding_at_beginning {found} (OPT-style tokenizers, whose "
+                             "BOS is the pad token, need 1; most others 0)")
 
 
 def format_eval(metrics: dict) -> str:
@@ -110,7 +111,7 @@ def main(args):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=args.eot_token, sft_only_data_path=args.sft_only_data_path,
         log=log.info, apply_chat_template=args.apply_chat_template)
-    check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning, log)
+    check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning)
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 

@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 
-from utils.arguments import add_chat_template_arg
+from utils.arguments import add_chat_template_arg, positive_int
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.model.scoring import accuracy_by_kind, score_texts
@@ -38,7 +38,7 @@ def parse_args(argv=None):
                         help="Override the value stored in the model folder.")
     parser.add_argument("--max_seq_len", type=int, default=512, help="Texts are truncated to this many tokens.")
     parser.add_argument("--eot_token", default="<|endoftext|>", help="End-of-text token appended to every answer.")
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=positive_int, default=16)
     add_chat_template_arg(parser)
     return parser.parse_args(argv)
 

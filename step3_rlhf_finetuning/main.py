@@ -47,7 +47,7 @@ from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
-from utils.finite import check_finite
+from utils.finite import check_finite, check_weights_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
 from utils.model.model_utils import save_hf_format
@@ -240,6 +240,9 @@ def validate_step3(args) -> None:
                  "inference_tp_size"):
         if getattr(args, name) < 1:
             raise UserInputError(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    if args.max_answer_seq_len < 2:
+        raise UserInputError(f"--max_answer_seq_len {args.max_answer_seq_len}: answers of one token are dropped "
+                             "(as in DeepSpeed-Chat), so no RL step could run; use 2 or more")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:
         raise UserInputError("--inference_tp_size > 1 needs --actor_zero_stage 3 "
                              "(tensor sharding in the hybrid engine)")
@@ -478,6 +481,7 @@ def summarize_run(log, progress: Progress, ref_unchanged: bool) -> dict:
 def save_models(args, engine, tokenizer, log) -> None:
     """``actor/`` (and ``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``) under ``--output_dir``."""
     saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
+    check_weights_finite("the step-3 models", engine.actor, engine.critic, engine.actor_ema)  # all or nothing
     log.info(f"saving {', '.join(saved)} to {args.output_dir}")
     trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
     save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)

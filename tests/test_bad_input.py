@@ -42,6 +42,8 @@ STEP2 = "step2_reward_model_finetuning/main.py"
 DPO = "step2_dpo_finetuning/main.py"
 STEP3 = "step3_rlhf_finetuning/main.py"
 CHAT = "chat.py"
+RW_EVAL = "step2_reward_model_finetuning/rw_eval.py"
+TRAIN = "train.py"
 TINY = ["--model_name_or_path", "tiny-opt", "--max_seq_len", "64", "--data_path", "builtin/preference-small"]
 STEP3_MODELS = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "{rm}",
                 "--data_path", "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8"]
@@ -148,6 +150,29 @@ CLI_CASES = {
     "empty_eval_split": (STEP1, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/forty.jsonl"],
                          {"forty.jsonl": FORTY_ROWS}, ["forty.jsonl", "phase-1 eval split is empty", "perplexity"],
                          {}),
+    # third round (issue 25): runs in which no optimizer step can happen are refused with the numbers
+    "accumulation_beyond_the_data": (STEP1, [*TINY, "--gradient_accumulation_steps", "1000"], {},
+                                     ["--gradient_accumulation_steps 1000", "no optimizer step would run"], {}),
+    "one_token_answers": (STEP3, [*STEP3_MODELS, "--max_answer_seq_len", "1"], {},
+                          ["--max_answer_seq_len 1", "no RL step could run"], {}),
+    "opt_reward_model_without_its_leading_pad": (STEP2, [*TINY, "--num_padding_at_beginning", "0"], {},
+                                                  ["--num_padding_at_beginning 0", "starts every text with 1 pad",
+                                                   "pass --num_padding_at_beginning 1"], {}),
+    "llama_reward_model_with_two_leading_pads": (STEP2, [*TINY, "--model_name_or_path", "tiny-llama",
+                                                         "--num_padding_at_beginning", "2"], {},
+                                                 ["--num_padding_at_beginning 2", "starts every text with 0 pad"], {}),
+    "negative_leading_pads": (STEP2, [*TINY, "--num_padding_at_beginning", "-1"], {},
+                              ["--num_padding_at_beginning", "must be ≥ 0, got -1"], {}),
+    "chat_on_a_gpu_that_is_not_there": (CHAT, ["--path", "tiny-opt", "--device", "cuda:7"], {},
+                                        ["--device cuda:7", "CUDA GPU(s)"], {"bare": True}),
+    "chat_on_an_unknown_device": (CHAT, ["--path", "tiny-opt", "--device", "gpu"], {}, ["--device gpu"],
+                                  {"bare": True}),
+    "rw_eval_zero_batch": (RW_EVAL, ["--model_name_or_path", "{rm}", "--batch_size", "0"], {},
+                           ["--batch_size", "must be ≥ 1, got 0"], {"bare": True}),
+    "no_cpu_ranks": (TRAIN, ["--demo", "--dry-run", "--cpu-ranks", "0"], {}, ["--cpu-ranks", "must be between 1"],
+                     {"bare": True}),
+    "a_thousand_cpu_ranks": (TRAIN, ["--demo", "--dry-run", "--cpu-ranks", "1000"], {},
+                             ["--cpu-ranks", "this machine's cores), got 1000"], {"bare": True}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},
@@ -514,3 +539,17 @@ def test_gpu_out_of_memory_is_one_line_with_the_remedies(capsys):
     assert len(err.splitlines()) == 1 and err.startswith("error: out of GPU memory (CUDA out of memory)")
     for remedy in ("--per_device_", "ZeRO stage", "--offload", "--gradient_checkpointing", "--only_optimize_lora"):
         assert remedy in err
+
+
+@pytest.mark.slow
+def test_a_last_update_that_leaves_nan_weights_saves_nothing(tmp_path):
+    """--learning_rate 1e3: every loss the step checks is finite, the weights after the last update are not;
+    exit 3 (diverged), one error line, no model in --output_dir."""
+    from tests.conftest import run_entry
+
+    out = tmp_path / "out"
+    proc = run_entry(STEP1, *TINY, "--learning_rate", "1e3", "--max_steps", "3", "--output_dir", out,
+                     "--data_output_path", tmp_path / "data", env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: non-finite weights in the model (first: " in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))

@@ -291,6 +291,22 @@ def test_check_finite_names_step_and_quantity(monkeypatch):
         check_finite(3, actor_loss=1.0, critic_loss=1.0)
 
 
+def test_weights_holding_nan_or_inf_are_never_saved(tmp_path):
+    """The loss is checked before each update, so the last update can still leave NaN weights: the save refuses."""
+    from utils.finite import check_weights_finite
+    from utils.model.model_utils import save_hf_format
+
+    good, bad = torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    check_weights_finite("the model", good, None)
+    with torch.no_grad():
+        bad[1].bias[0] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"non-finite weights in the step-3 models \(first: 1.bias\)"):
+        check_weights_finite("the step-3 models", good, bad)
+    with pytest.raises(TrainingDiverged, match="nothing saved"):
+        save_hf_format(bad, None, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- security
 
 def _repo_calls(attr):

@@ -159,9 +159,25 @@ def add_only_optimize_lora_arg(group) -> None:
                        help="Train only the LoRA factors (a reward model or critic: and its value head).")
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0 (argparse's own one-line error otherwise)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1 (argparse's own one-line error otherwise)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
 def add_num_padding_arg(group) -> None:
     """Steps 2 and 3: where a reward model reads its score depends on the tokenizer's leading pads."""
-    group.add_argument("--num_padding_at_beginning", type=int, default=1,
+    group.add_argument("--num_padding_at_beginning", type=non_negative_int, default=1,
                        help="Pad-id tokens every sequence starts with: 1 for OPT (its BOS = pad), 0 for most others.")
 
 

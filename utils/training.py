@@ -134,7 +134,18 @@ def eval_batches(loader, eval_iters: int):
 
 
 def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: int = 0) -> int:
-    """Optimizer steps of a run (the schedule's length): whole epochs, capped by ``max_steps`` (0 = no cap)."""
+    """Optimizer steps of a run (the schedule's length): whole epochs, capped by ``max_steps`` (0 = no cap).
+
+    Refuses (:class:`~utils.errors.UserInputError`) a run with fewer micro-batches than one accumulation needs:
+    no optimizer step would run and the "trained" model would be its input.
+    """
+    from utils.errors import UserInputError
+
+    if micro_batches_per_epoch * epochs < grad_accum:
+        raise UserInputError(f"--gradient_accumulation_steps {grad_accum} needs {grad_accum} micro-batches per "
+                             f"optimizer step, but the run has {micro_batches_per_epoch * epochs} ({epochs} epoch(s) "
+                             f"of {micro_batches_per_epoch} per rank): no optimizer step would run; lower it, or "
+                             "the batch size, or add data or epochs")
     total = epochs * math.ceil(micro_batches_per_epoch / grad_accum)
     return min(total, max_steps) if max_steps else total
 

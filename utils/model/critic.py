@@ -223,8 +223,10 @@ def save_reward_model(model, tokenizer, output_dir: str, zero_stage: int = 0) ->
 
     from utils.distributed import is_rank_0
     from utils.files import atomic_directory
+    from utils.finite import check_weights_finite
     from utils.model.model_utils import gather_for_saving
 
+    check_weights_finite("the reward model", model)
     model, state = gather_for_saving(model, zero_stage)
     if is_rank_0():
         marker = {"format": MARKER_FORMAT, "version": MARKER_VERSION,

@@ -28,6 +28,7 @@ from utils.model.tiny import resolve_model_path
 from utils.lora import LinearLayer_LoRA, convert_lora_to_linear_layer, unfuse_lora_weight
 from utils.distributed import is_rank_0
 from utils.files import atomic_directory
+from utils.finite import check_weights_finite
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen", "gemma")
 
@@ -285,8 +286,10 @@ def save_hf_format(model, tokenizer, output_dir: str, zero_stage: int = 0, extra
     """Save ``model`` (LoRA fused, ZeRO-3 gathered) + ``tokenizer`` as an HF folder, atomically.
 
     Collective under ZeRO-3: call on every rank; only rank 0 writes.
-    ``extra_files`` maps file names to text written beside the model.
+    ``extra_files`` maps file names to text written beside the model. Weights holding NaN or inf are not
+    saved (:func:`~utils.finite.check_weights_finite`).
     """
+    check_weights_finite("the model", model)
     model, state = gather_for_saving(model, zero_stage)
     if is_rank_0():
         with atomic_directory(output_dir) as tmp:
