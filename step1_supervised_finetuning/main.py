@@ -16,7 +16,7 @@ import time
 import torch
 
 from utils.arguments import single_model_parser, validate_common
-from utils.checkpoint import CheckpointManager
+from utils.checkpoint import CheckpointManager, run_inputs
 from utils.compat import check_zero_combination
 from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
@@ -42,7 +42,6 @@ def parse_args(argv=None):
 def evaluate_perplexity(model, dataloader, device):
     """(perplexity, loss) over the eval set, averaged across ranks."""
     from utils.rl_math import causal_lm_loss
-    from utils.distributed import get_all_reduce_mean
     from utils.runtime import to_device
 
     model.eval()
@@ -90,7 +89,7 @@ def main(args):
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
-    ckpt = CheckpointManager.from_args(args, log)
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
     resumed = ckpt.resume({"model": model})
     step, start_epoch, skip_batches = 0, 0, 0
 

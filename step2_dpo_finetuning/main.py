@@ -22,7 +22,7 @@ import time
 import torch
 
 from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser, validate_common
-from utils.checkpoint import CheckpointManager
+from utils.checkpoint import CheckpointManager, run_inputs
 from utils.compat import check_zero_combination
 from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
@@ -166,7 +166,7 @@ def main(args):
     # ---- train
     log.info(f"***** Running DPO training: {len(train_dataset)} pairs, {total_steps} optimizer steps, "
              f"beta {args.beta} *****")
-    ckpt = CheckpointManager.from_args(args, log)
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
     resumed = ckpt.resume({"model": model})  # the reference model is frozen: nothing to save
     if resumed:
         step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]

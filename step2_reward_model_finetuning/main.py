@@ -16,7 +16,7 @@ import time
 import torch
 
 from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser, validate_common
-from utils.checkpoint import CheckpointManager
+from utils.checkpoint import CheckpointManager, run_inputs
 from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
@@ -127,7 +127,7 @@ def main(args):
         return metrics
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
-    ckpt = CheckpointManager.from_args(args, log)
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
     resumed = ckpt.resume({"model": model})
 
     # ---- train

@@ -39,7 +39,7 @@ from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, 
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
                              add_rlhf_role_args, add_run_args, add_sampling_args, add_test_mode_args,
                              add_trust_remote_code_arg, apply_test_mode, check_sampling_args, validate_common)
-from utils.checkpoint import CheckpointManager, ModuleState, resumable_loader
+from utils.checkpoint import CheckpointManager, run_inputs, ModuleState, resumable_loader
 from utils.compat import check_zero_combination
 from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
@@ -521,7 +521,9 @@ def main(args):
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
     # trained, so it is rebuilt from the step-1 folder instead of being saved
-    ckpt = CheckpointManager.from_args(args, log)
+    inputs = run_inputs(prompts, actor_model_name_or_path=args.actor_model_name_or_path,
+                        critic_model_name_or_path=args.critic_model_name_or_path)
+    ckpt = CheckpointManager.from_args(args, log, inputs)
     engines = {name: model for name, model in (("actor", engine.actor), ("critic", engine.critic)) if model}
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)

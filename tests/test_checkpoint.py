@@ -182,6 +182,38 @@ def test_a_different_run_configuration_is_refused(tmp_path):
         other.load({"actor": FakeEngine(0.0)})
 
 
+def test_a_changed_model_folder_or_data_content_is_refused_on_resume(tmp_path):
+    """The same flags, other inputs: a model folder replaced by another of the same architecture, data edited
+    in place. run_inputs fingerprints what they hold; the resume names the input, not a flag to change."""
+    import shutil
+
+    from utils.checkpoint import run_inputs
+    from utils.model.tiny import resolve_model_path
+
+    folder = tmp_path / "actor"
+    shutil.copytree(resolve_model_path("tiny-opt"), folder)
+    data = type("Data", (), {"cache_key": "abc"})()
+    before = run_inputs(data, actor_model_name_or_path=str(folder), critic_model_name_or_path=None)
+    assert set(before) == {"content of --data_path", "content of --actor_model_name_or_path"}
+    assert run_inputs(data, actor_model_name_or_path=str(folder)) == before  # unchanged: the same fingerprint
+    assert run_inputs(None, m="facebook/opt-1.3b") == {"content of --m": "name:facebook/opt-1.3b"}  # a hub name
+    weights = folder / "model.safetensors"
+    stat = os.stat(weights)
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF  # another model's weights, same size and modification time
+    weights.write_bytes(bytes(blob))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = run_inputs(data, actor_model_name_or_path=str(folder))
+    assert after["content of --actor_model_name_or_path"] != before["content of --actor_model_name_or_path"]
+
+    m, _ = manager(tmp_path, config={"seed": 1, **before})
+    m.save(3, {"actor": FakeEngine(3.0)}, {})
+    other, _ = manager(tmp_path, config={"seed": 1, **after})
+    with pytest.raises(UserInputError, match=r"different run configuration \(content of --actor_model_name_or_path: "
+                                              r"checkpoint '.*', now '.*'\); rerun with the same settings to resume"):
+        other.load({"actor": FakeEngine(0.0)})
+
+
 def test_resume_is_automatic_and_resume_flag_requires_a_checkpoint(tmp_path):
     m, _ = manager(tmp_path)
     assert m.resume({"actor": FakeEngine(0.0)}) is None  # fresh start

@@ -233,6 +233,24 @@ def test_cache_reused_then_invalidated_by_eot_and_by_local_file_edits(tmp_path, 
     assert any("changed" in t for t in texts) and not any("It is row" in t for t in texts)
 
 
+def test_cache_is_keyed_by_content_not_by_size_and_modification_time(tmp_path, tok):
+    """chosen and rejected swapped in place: the same size, the modification time set back; a cache keyed on
+    path + size + mtime would hand back the old pairs, reversed preferences."""
+    data = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f" Human: Describe thing {i}. Assistant:", "chosen": " It is good.",
+             "rejected": " It is bad!"} for i in range(40)]
+    write_jsonl(data, rows)
+    out = str(tmp_path / "out")
+    first, _ = du.create_prompt_dataset(-1, [str(data)], "0,1,0", out, 2, SEED, tok, 64)
+    stat = os.stat(data)
+    write_jsonl(data, [dict(r, chosen=r["rejected"], rejected=r["chosen"]) for r in rows])
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(data).st_size == stat.st_size and os.stat(data).st_mtime_ns == stat.st_mtime_ns
+    swapped, _ = du.create_prompt_dataset(-1, [str(data)], "0,1,0", out, 2, SEED, tok, 64)
+    assert swapped.cache_key != first.cache_key and len(cache_files(out)) == 4
+    assert sorted(tok.decode(c) for c, _ in swapped.samples) == sorted(tok.decode(r) for _, r in first.samples)
+
+
 # --------------------------------------------------------------------------- real data
 def test_hh_rlhf_file_through_the_same_code_path(tmp_path, tok):
     path = shared_data("hh-rlhf", "harmless-base-test.jsonl.gz")

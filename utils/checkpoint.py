@@ -266,6 +266,23 @@ def _broadcast(obj):
 
 # --------------------------------------------------------------------------- manager
 
+def run_inputs(data=None, **models) -> dict:
+    """What a resumed run must find unchanged beyond its flags, for :meth:`CheckpointManager.from_args`:
+    ``data`` (a :class:`~utils.data.data_utils.PromptDataset`: its cache key covers the data files' content,
+    the split, the tokenizer ...) and each model flag's folder (``actor_model_name_or_path=path``: its files'
+    content, :func:`~utils.files.model_fingerprint`). Keys read ``"content of --flag"``."""
+    from utils.files import model_fingerprint
+    from utils.model.tiny import resolve_model_path
+
+    inputs = {}
+    if data is not None and getattr(data, "cache_key", None):
+        inputs["content of --data_path"] = data.cache_key
+    for flag, path in models.items():
+        if path:
+            inputs[f"content of --{flag}"] = model_fingerprint(resolve_model_path(path))
+    return inputs
+
+
 class CheckpointManager:
     """Save / find / load resumable checkpoints of several DeepSpeed engines under ``<output_dir>/checkpoints``."""
 
@@ -282,15 +299,17 @@ class CheckpointManager:
         self.metrics = None  # a TrainLogger whose metrics.jsonl follows the resumed step (from_args)
 
     @classmethod
-    def from_args(cls, args, log) -> "CheckpointManager":
+    def from_args(cls, args, log, inputs: Optional[dict] = None) -> "CheckpointManager":
         """From ``--output_dir``, ``--save_interval``, ``--max_checkpoints``, ``--resume``.
 
         ``log``: a :class:`~utils.logger.TrainLogger` (its ``metrics.jsonl`` is trimmed to
         the resumed step). Every argument but :data:`RUN_ONLY_FLAGS` must be equal in the
-        interrupted and the resumed run (and the world size).
+        interrupted and the resumed run (and the world size), and so must ``inputs``
+        (:func:`run_inputs`: what the data and model folders hold, not only their names).
         """
         config = {key: value for key, value in sorted(vars(args).items()) if key not in RUN_ONLY_FLAGS}
         config["world_size"] = get_world_size()
+        config.update(inputs or {})
         manager = cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
                       require_resume=args.resume, config=config, warn=log.warning)
         manager.metrics = log
@@ -385,7 +404,8 @@ class CheckpointManager:
         diffs = [f"{key}: checkpoint {saved[key]!r}, now {value!r}"
                  for key, value in self.config.items() if key in saved and saved[key] != value]
         if diffs:
-            flags = ", ".join(f"--{d.split(':')[0]}" for d in diffs if not d.startswith("world_size"))
+            flags = ", ".join(f"--{d.split(':')[0]}" for d in diffs
+                              if not d.startswith(("world_size", "content of ")))
             raise UserInputError(f"checkpoint {path} comes from a different run configuration ({'; '.join(diffs)}); "
                                  f"rerun with the same settings{f' ({flags} as before)' if flags else ''} to resume "
                                  "it, or start afresh with --overwrite (or a new --output_dir)")

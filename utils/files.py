@@ -3,6 +3,7 @@ helpers they (and the training checkpoints, :mod:`utils.checkpoint`) use."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -98,3 +99,44 @@ def atomic_directory(out_dir: str):
             raise UserInputError(f"cannot write output folder {out_dir}: {e} (disk full, quota or read-only "
                                  "file system?)") from e
         raise
+
+
+def content_hash(path: str, sample: int | None = None) -> str:
+    """sha256 of a file's bytes (hex, 16 characters); with ``sample``, of its size, first and last ``sample``
+    bytes only (for model weights of many GB: a different model differs there, and reading it all would take
+    minutes). Computed once per process for an unchanged file (same inode, size and change time: unlike the
+    modification time, the change time cannot be set back)."""
+    st = os.stat(path)
+    return _content_hash(os.path.abspath(path), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns), sample)
+
+
+@functools.lru_cache(maxsize=256)
+def _content_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if sample is None or size <= 2 * sample:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            digest.update(str(size).encode())
+            digest.update(f.read(sample))
+            f.seek(size - sample)
+            digest.update(f.read(sample))
+    return digest.hexdigest()[:16]
+
+
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")
+
+
+def model_fingerprint(name_or_path: str) -> str:
+    """What identifies a model for resuming: a local folder by its files' content (weights sampled,
+    :func:`content_hash`), anything else (a hub name) by its name."""
+    if not os.path.isdir(name_or_path):
+        return f"name:{name_or_path}"
+    parts = [f"{name}:{content_hash(os.path.join(name_or_path, name), sample=1 << 20)}"
+             for name in sorted(os.listdir(name_or_path))
+             if name.endswith(MODEL_FILE_SUFFIXES) and name not in ("metrics.jsonl", "training_format.json")
+             and os.path.isfile(os.path.join(name_or_path, name))]
+    return ";".join(parts)

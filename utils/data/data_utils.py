@@ -30,7 +30,7 @@ compute is not. Phase 3 pads to exactly ``max_prompt_seq_len`` like the referenc
 
 Tokenised data are cached under ``--data_output_path`` keyed by a sha256 of
 everything that changes the result: the datasets' content fingerprints (local
-files: path, size, mtime), split, phase, seed, the tokenizer's vocabulary and
+files: path and sha256 of the content), split, phase, seed, the tokenizer's vocabulary and
 special tokens, ``max_seq_len``, the end-of-text token, the sft-only sets and, when applied, the chat
 template.
 Local rank 0 builds the cache (written atomically); other ranks wait at a
@@ -63,6 +63,7 @@ class PromptDataset(Dataset):
         self.samples = samples
         self.train_phase = train_phase
         self.stats = stats or {}
+        self.cache_key = None  # set by create_prompt_dataset: the data, split, tokenizer ... it was built from
 
     def __len__(self):
         return len(self.samples)
@@ -321,6 +322,7 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
         blob = torch.load(path, weights_only=True)
         datasets.append(PromptDataset(blob["samples"], train_phase, blob["stats"]))
     train_dataset, eval_dataset = datasets
+    train_dataset.cache_key = eval_dataset.cache_key = key  # what a resumed run must find unchanged
     for split, d in (("train", train_dataset), ("eval", eval_dataset)):
         if d.stats.get("skipped"):
             detail = ", ".join(f"{n} × {reason}" for reason, n in sorted(d.stats["skipped"].items()))

@@ -32,7 +32,6 @@ The adapters: :mod:`utils.data.hub_datasets`, :mod:`utils.data.local_datasets`;
 from __future__ import annotations
 
 import hashlib
-import os
 
 from utils.data.sources import (EVAL_SPLIT_NAMES, _column_names, _combine, _concat, _safe_name,
                                 _select, _type_name)
@@ -46,11 +45,10 @@ RAW_FORMAT_VERSION = 2  # 2: local rows keep their other fields beside prompt/ch
 
 
 def _files_fingerprint(files):
-    parts = []
-    for path in files:
-        st = os.stat(path)
-        parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
-    return f"local:v{RAW_FORMAT_VERSION}:" + ";".join(parts)
+    """The files' paths and content (sha256): an edit that keeps the size and the modification time is noticed."""
+    from utils.files import content_hash
+
+    return f"local:v{RAW_FORMAT_VERSION}:" + ";".join(f"{path}:{content_hash(path)}" for path in files)
 
 
 def _short_hash(text):
