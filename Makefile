@@ -24,4 +24,4 @@ test: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --timeout 1800 tests
 
 clean:
-	rm -rf $(VENV) output .pytest_cache
+	rm -rf $(VENV) output .output.lock .pytest_cache

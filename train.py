@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig,  # pure dataclasses: no torch
                                           field_defaults)
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
-from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY
+from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
+from utils.files import lock_output_dir
 from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
 
@@ -647,8 +648,9 @@ def main(args) -> int:
             print(launch.command_line)
         return 0
     try:
+        lock_output_dir(args.output_dir)  # two train.py runs on one --output-dir would mix their logs
         check_inputs(args, plan)
-    except PlanError as e:
+    except (PlanError, UserInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from utils.summary import write_summary

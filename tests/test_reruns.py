@@ -267,3 +267,51 @@ def test_ctrl_c_in_a_terminal_reaches_train_py_and_its_step(tmp_path):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert "interrupted at step " in stdout and "no checkpoint was saved" in stdout  # the step's line (via its log)
     assert "interrupted in step 1 (supervised fine-tuning (actor))" in stderr and "--step 1" in stderr
+
+
+def _hold_lock(folder):
+    """A process that locks ``folder`` as a run does, then waits; returns it once the lock is taken."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from utils.files import lock_output_dir; lock_output_dir(sys.argv[1]); "
+            "print('locked', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=train.REPO, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_path):
+    """A second run on a folder in use is refused with one line naming the first's process, before it deletes
+    or writes anything (--overwrite included); kill -9 of the first frees the folder (flock dies with it)."""
+    from utils.files import lock_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    holder = _hold_lock(out)
+    try:
+        with pytest.raises(UserInputError, match=rf"{out} is in use by another run \(process {holder.pid} on "):
+            lock_output_dir(str(out))
+        res = run_entry("step1_supervised_finetuning/main.py", "--model_name_or_path", "tiny-opt", "--data_path",
+                        "builtin/preference-small", "--output_dir", out, "--overwrite", "--data_output_path",
+                        tmp_path / "data", env={"OMP_NUM_THREADS": "1"}, timeout=300)
+        assert res.returncode == 2 and f"is in use by another run (process {holder.pid}" in res.stderr
+        assert "Traceback" not in res.stderr
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # --overwrite deleted nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_output_dir(str(out))  # the killed holder's lock is gone
+
+
+def test_two_train_py_runs_on_one_output_dir(tmp_path):
+    holder = _hold_lock(tmp_path / "run")
+    try:
+        res = run_entry("train.py", "--demo", "--output-dir", tmp_path / "run", timeout=120)
+        assert res.returncode == 2 and f"is in use by another run (process {holder.pid}" in res.stderr
+        assert not (tmp_path / "run").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -140,3 +140,40 @@ def model_fingerprint(name_or_path: str) -> str:
              if name.endswith(MODEL_FILE_SUFFIXES) and name not in ("metrics.jsonl", "training_format.json")
              and os.path.isfile(os.path.join(name_or_path, name))]
     return ";".join(parts)
+
+
+_HELD_LOCKS: dict = {}  # path -> open file: a lock lives as long as its process (the kernel drops it at exit)
+
+
+def lock_output_dir(out_dir: str) -> None:
+    """One output folder, one run: an exclusive ``flock`` on ``.<name>.lock`` beside ``out_dir``, held until
+    this process ends (a crash or kill -9 releases it: no stale lock). The lock sits beside the folder, not in
+    it, because saving replaces the folder (:func:`atomic_directory`). Raises :class:`UserInputError` naming
+    the process that holds it. A second call for the same folder in one process is a no-op."""
+    import fcntl
+
+    out_dir = os.path.abspath(out_dir)
+    if out_dir in _HELD_LOCKS:
+        return
+    path = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.lock")
+    try:
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise UserInputError(f"cannot write beside output folder {out_dir} ({path}): {e.strerror}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise UserInputError(f"{out_dir} is in use by another run (process {holder}); wait for it to end, stop "
+                             "it, or give another output folder") from None
+    except OSError:  # a file system without flock (some network mounts): go on unlocked
+        f.close()
+        return
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()} on {os.uname().nodename}\n")
+    f.flush()
+    _HELD_LOCKS[out_dir] = f

@@ -16,6 +16,7 @@ import tempfile
 from typing import Mapping, Optional
 
 from utils.errors import UserInputError
+from utils.files import lock_output_dir
 
 
 def check_output_dir_writable(out_dir: Optional[str], flag: str = "--output_dir") -> None:
@@ -282,4 +283,6 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
     if data and local_rank == 0:
         names = list(args.data_path) + list(getattr(args, "sft_only_data_path", None) or [])
         check_data_sources(names, args.data_output_path, args.seed)
+    if getattr(args, "output_dir", None) and int(os.environ.get("RANK", "0")) == 0:
+        lock_output_dir(args.output_dir)  # before --overwrite deletes anything: one folder, one run
     prepare_output_dir(args)
