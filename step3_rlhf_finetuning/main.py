@@ -479,17 +479,19 @@ def summarize_run(log, progress: Progress, ref_unchanged: bool) -> dict:
 
 
 def save_models(args, engine, tokenizer, log) -> None:
-    """``actor/`` (and ``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``) under ``--output_dir``."""
-    saved = ["actor/"] + (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else [])
+    """``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``, then ``actor/`` under ``--output_dir``: the actor
+    last, because a folder with ``actor/`` counts as a finished run (a kill between two saves leaves one that
+    resumes, not one refused as finished)."""
+    saved = (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else []) + ["actor/"]
     check_weights_finite("the step-3 models", engine.actor, engine.critic, engine.actor_ema)  # all or nothing
     log.info(f"saving {', '.join(saved)} to {args.output_dir}")
     trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
-    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)
     if engine.critic is not None:
         save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
     if engine.actor_ema is not None:
         save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
                        args.actor_zero_stage, trained_in)
+    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)
 
 
 def main(args):

@@ -173,6 +173,10 @@ CLI_CASES = {
                      {"bare": True}),
     "a_thousand_cpu_ranks": (TRAIN, ["--demo", "--dry-run", "--cpu-ranks", "1000"], {},
                              ["--cpu-ranks", "this machine's cores), got 1000"], {"bare": True}),
+    "output_dir_is_the_input_model": (STEP1, [*TINY, "--model_name_or_path", "{dir}/model", "--overwrite"], {},
+                                      ["--output_dir", "is the input model of --model_name_or_path",
+                                       "give another --output_dir"],
+                                      {"copy": {"model": ("tiny-opt", None)}, "out": "{dir}/model"}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},

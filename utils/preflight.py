@@ -203,6 +203,20 @@ def changed_flags(args, out_dir: str) -> list:
             if key in saved and key not in RUN_ONLY_FLAGS and value is not None and saved[key] != value]
 
 
+def check_output_is_not_an_input(out_dir: Optional[str], models: dict) -> None:
+    """Refuse an ``--output_dir`` that is, or holds, one of the run's input model folders (``{flag: path}``):
+    ``--overwrite`` would delete the input before the run could read it, and saving would replace it."""
+    if not out_dir:
+        return
+    out = os.path.realpath(out_dir)
+    for flag, path in models.items():
+        if path and os.path.isdir(path):
+            model = os.path.realpath(path)
+            if model == out or model.startswith(out + os.sep):
+                raise UserInputError(f"--output_dir {out_dir} {'is' if model == out else 'holds'} the input model of "
+                                     f"{flag} ({path}): training would replace it; give another --output_dir")
+
+
 def prepare_output_dir(args, log=print) -> None:
     """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step.
 
@@ -264,6 +278,7 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
     if phase is not None:
         check_phase_share(args.data_split, phase, bool(getattr(args, "sft_only_data_path", None)))
     check_output_dir_writable(getattr(args, "output_dir", None))
+    check_output_is_not_an_input(getattr(args, "output_dir", None), {**dict(causal_lms), **dict(reward_models)})
     if length is None and getattr(args, "max_seq_len", None):
         length = (args.max_seq_len, "--max_seq_len")
     for flag, name in dict(causal_lms).items():
