@@ -177,6 +177,11 @@ CLI_CASES = {
                                       ["--output_dir", "is the input model of --model_name_or_path",
                                        "give another --output_dir"],
                                       {"copy": {"model": ("tiny-opt", None)}, "out": "{dir}/model"}),
+    "overwrite_then_data_refused_after_set_up": (STEP1, ["--model_name_or_path", "tiny-opt", "--data_path",
+                                                         "{dir}/forty.jsonl", "--overwrite"],
+                                                 {"forty.jsonl": FORTY_ROWS}, ["phase-1 eval split is empty"],
+                                                 {"copy": {"out": ("tiny-opt", None)}, "keep_out": True,
+                                                  "untouched": True}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},

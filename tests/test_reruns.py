@@ -32,7 +32,8 @@ def finished_folder(folder):
 
 # --------------------------------------------------------------------------- the rule, per step
 
-def test_a_finished_run_is_refused_and_overwrite_deletes_it_first(tmp_path):
+def test_a_finished_run_is_refused_and_overwrite_sets_it_aside_until_the_first_step(tmp_path):
+    from utils import overwrite
     from utils.preflight import prepare_output_dir
 
     out = finished_folder(tmp_path / "out")
@@ -52,7 +53,23 @@ def test_a_finished_run_is_refused_and_overwrite_deletes_it_first(tmp_path):
     messages = []
     prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False), log=messages.append)
     assert os.listdir(out) == ["training.log"]
-    assert "deleted the earlier run's checkpoints, config.json, metrics.jsonl, model.safetensors" in messages[0]
+    assert "set the earlier run's checkpoints, config.json, metrics.jsonl, model.safetensors aside" in messages[0]
+    (out / "metrics.jsonl").write_text("the new run's\n")  # it fails before its first step: all as it was
+    overwrite.restore()
+    assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == b"old model"
+    assert not os.path.exists(overwrite.aside_folder(str(out))) and "put the earlier run's" in messages[-1]
+
+    prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False), log=messages.append)
+    overwrite.commit()  # its first step is done: the earlier run's files go
+    assert os.listdir(out) == ["training.log"] and not os.path.exists(overwrite.aside_folder(str(out)))
+
+    out2 = finished_folder(tmp_path / "out2")  # killed (SIGKILL) before its first step: the next run puts back
+    before = sorted(os.listdir(out2))
+    prepare_output_dir(SimpleNamespace(output_dir=str(out2), overwrite=True, resume=False), log=messages.append)
+    overwrite._PENDING.clear()  # what a SIGKILL leaves: the set-aside folder, nobody to settle it
+    with pytest.raises(UserInputError, match="already holds a finished run"):
+        prepare_output_dir(SimpleNamespace(output_dir=str(out2), overwrite=False, resume=False), log=messages.append)
+    assert sorted(os.listdir(out2)) == before and "was killed before its first training step" in messages[-1]
 
 
 def test_a_finished_run_rerun_with_changed_flags_names_them(tmp_path):
@@ -231,7 +248,8 @@ def test_ctrl_c_then_resume_then_refused_as_finished_then_overwrite(tmp_path):
 
     res = run_entry(*cmd, "--overwrite", env=env, timeout=300)  # trains afresh: no resume, a new metrics file
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "--overwrite: deleted the earlier run's checkpoints, config.json" in res.stdout
+    assert "--overwrite: set the earlier run's checkpoints, config.json" in res.stdout
+    assert "--overwrite: deleted the earlier run's files" in res.stdout
     assert "resumed from" not in res.stdout and "ppl before training" in res.stdout
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2, 3, 4]

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import fault_injection
+from utils import fault_injection, overwrite
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
 from utils.entrypoint import PROGRESS
 from utils.errors import UserInputError
@@ -390,6 +390,7 @@ class CheckpointManager:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
         ``--save_interval`` steps, then the test hook (``utils.fault_injection.kill_point``)."""
         PROGRESS["step"] = step
+        overwrite.commit()  # the run has proved it can run: --overwrite deletes the earlier run's files now
         if self.save_interval > 0 and step % self.save_interval == 0:
             start = time.time()
             path = self.save(step, engines, trainer_state())

@@ -44,8 +44,16 @@ def run_main(main: Callable, args) -> None:
     saying where the run stopped and how to resume, exit code 130."""
     import signal
 
+    from utils import overwrite
+
     try:
-        main(args)
+        try:
+            main(args)
+        except BaseException as e:
+            if not (isinstance(e, SystemExit) and not e.code):
+                overwrite.restore()  # failed before its first step: --overwrite puts the earlier run back
+            raise
+        overwrite.commit()  # ended well (a run without a training step included)
     except UserInputError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT)

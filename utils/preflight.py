@@ -16,6 +16,7 @@ import tempfile
 from typing import Mapping, Optional
 
 from utils.errors import UserInputError
+from utils import overwrite as overwrite_files
 from utils.files import lock_output_dir
 
 
@@ -221,18 +222,20 @@ def prepare_output_dir(args, log=print) -> None:
     """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step.
 
     * a folder holding a finished run (a saved model) is refused, unless ``--overwrite``;
-    * ``--overwrite`` deletes what an earlier run left there (model, checkpoints,
+    * ``--overwrite`` sets aside what an earlier run left there (model, checkpoints,
       metrics.jsonl: :data:`RUN_ENTRIES`; not train.py's ``training.log``) so the new run starts
-      afresh; a folder that also holds anything else is refused, and nothing is deleted;
+      afresh, and deletes it once the new run's first step is done (:mod:`utils.overwrite`: put back
+      if the run fails before); a folder that also holds anything else is refused, nothing touched;
     * otherwise checkpoints of an unfinished run are resumed from (:mod:`utils.checkpoint`), and
       ``metrics.jsonl`` keeps only the rows up to the resumed step (:meth:`TrainLogger.restart_metrics`).
 
     Call last among the checks: nothing is deleted when another check fails.
     """
     import fnmatch
-    import shutil
 
     out, overwrite = getattr(args, "output_dir", None), getattr(args, "overwrite", False)
+    if out and int(os.environ.get("RANK", "0")) == 0:
+        overwrite_files.recover(out, log)  # an earlier --overwrite killed before its first step
     if not out or not os.path.isdir(out):
         return
     model = finished_model(out)
@@ -241,7 +244,7 @@ def prepare_output_dir(args, log=print) -> None:
         raise UserInputError(f"--output_dir {out} already holds a finished run (its model is in {model}"
                              f"{'; changed since: ' + ', '.join(changed) if changed else ''}); rerun with "
                              "--overwrite to replace it (the old model, checkpoints and metrics.jsonl are deleted "
-                             "first), or give another --output_dir")
+                             "after the new run's first step), or give another --output_dir")
     if not overwrite:
         return
     old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
@@ -250,18 +253,13 @@ def prepare_output_dir(args, log=print) -> None:
         raise UserInputError(f"--overwrite: {out} also holds {', '.join(foreign[:5])}"
                              f"{' …' if len(foreign) > 5 else ''}, which no training run writes; nothing was "
                              "deleted: move those away or give another --output_dir")
-    if int(os.environ.get("RANK", "0")) == 0:  # one deleter, also when nodes share the folder
-        for name in old:
-            path = os.path.join(out, name)
-            try:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.remove(path)
-            except OSError as e:
-                raise UserInputError(f"--overwrite: cannot delete {path} ({e.strerror or e})") from None
-        if old:
-            log(f"--overwrite: deleted the earlier run's {', '.join(old)} from {out}")
+    if int(os.environ.get("RANK", "0")) == 0 and old:  # one mover, also when nodes share the folder
+        try:  # deleted after the new run's first step, put back if it fails before (utils/overwrite.py)
+            overwrite_files.set_aside(out, old, keep=(RUN_LOG,), log=log)
+        except OSError as e:
+            overwrite_files.restore()
+            raise UserInputError(f"--overwrite: cannot move the earlier run's files aside in {out} "
+                                 f"({e.strerror or e}); nothing was deleted") from None
 
 
 def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[str, str] = (),
