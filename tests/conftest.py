@@ -70,3 +70,14 @@ def no_leaked_shm_buffers():
             os.unlink(path)
         except OSError:
             pass
+
+
+class Payload:
+    """What an attacker plants in a file we load: unpickling it calls ``os.system`` to create ``marker``, so a
+    test can assert that the file was refused before anything ran (the marker does not exist)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, Payload
 from utils.errors import UserInputError
 
 STEP1 = "step1_supervised_finetuning/main.py"
@@ -562,3 +562,28 @@ def test_a_last_update_that_leaves_nan_weights_saves_nothing(tmp_path):
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "error: non-finite weights in the model (first: " in proc.stderr and "Traceback" not in proc.stderr
     assert not (out / "config.json").exists() and not list(out.glob("*.safetensors"))
+
+
+def test_a_bin_model_that_would_run_code_is_refused_in_one_line(tmp_path):
+    """A model folder whose pytorch_model.bin is a pickle payload: one line naming what it would import,
+    before transformers gets to it (its weights_only load stops with a traceback); a real .bin passes."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.tiny import resolve_model_path
+    from utils.preflight import check_causal_lm_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path("tiny-opt"), folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    os.remove(folder / "model.safetensors")
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    check_causal_lm_path("--model_name_or_path", str(folder))  # plain weights: fine
+    marker = tmp_path / "payload-ran"
+    torch.save({"x": Payload(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(UserInputError, match=r"pytorch_model.bin would import (posix|os)\.system when loaded, which "
+                                             r"can run code; not loading it"):
+        check_causal_lm_path("--model_name_or_path", str(folder))
+    assert not marker.exists()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import Payload
 from utils import fault_injection
 from utils.checkpoint import (MANIFEST, STATE, CheckpointManager, EpochSampler, ModuleState,
                               resumable_loader, rng_state, set_rng_state, verify_manifest, write_manifest)
@@ -212,6 +213,39 @@ def test_a_changed_model_folder_or_data_content_is_refused_on_resume(tmp_path):
     with pytest.raises(UserInputError, match=r"different run configuration \(content of --actor_model_name_or_path: "
                                               r"checkpoint '.*', now '.*'\); rerun with the same settings to resume"):
         other.load({"actor": FakeEngine(0.0)})
+
+
+@pytest.mark.parametrize("planted", ["actor/state/mp_rank_00_model_states.pt", "trainer_state.pt"])
+def test_a_pickle_payload_in_a_checkpoint_is_refused_and_never_runs(tmp_path, planted):
+    """A checkpoint file replaced by a pickle that runs code, its manifest regenerated so it passes the integrity
+    check: resuming refuses it in one line before DeepSpeed (weights_only=False) or we unpickle anything."""
+    from utils.checkpoint import check_pickles, write_manifest
+
+    m, _ = manager(tmp_path, config={"seed": 1})
+    path = m.save(2, {"actor": FakeEngine(2.0)}, {})
+    marker = tmp_path / "payload-ran"
+    target = os.path.join(path, planted)
+    assert os.path.isfile(target)
+    torch.save({"w": torch.tensor([1.0]), "x": Payload(marker)}, target)
+    write_manifest(path)
+    again, _ = manager(tmp_path, config={"seed": 1})
+    with pytest.raises(UserInputError, match=r"would import (posix|os)\.system when loaded, which can run code; "
+                                              r"not resuming from it.*--trust_checkpoint"):
+        again.resume({"actor": FakeEngine(0.0)})
+    assert not marker.exists()
+    check_pickles(str(tmp_path / "nothing-here"))  # no files: nothing to refuse
+
+
+def test_deepspeeds_own_checkpoint_records_pass_the_scan(tmp_path):
+    """The classes DeepSpeed's ZeRO checkpoints import (found in real ZeRO-1/2/3 files) are allowed."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from utils.checkpoint import check_pickles
+
+    torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum(2), "w": torch.zeros(2)},
+               tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    check_pickles(str(tmp_path))
 
 
 def test_resume_is_automatic_and_resume_flag_requires_a_checkpoint(tmp_path):

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import shared_data
+from tests.conftest import Payload, shared_data
 from utils.data import data_utils as du
 from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import split_indices
@@ -249,6 +249,26 @@ def test_cache_is_keyed_by_content_not_by_size_and_modification_time(tmp_path, t
     swapped, _ = du.create_prompt_dataset(-1, [str(data)], "0,1,0", out, 2, SEED, tok, 64)
     assert swapped.cache_key != first.cache_key and len(cache_files(out)) == 4
     assert sorted(tok.decode(c) for c, _ in swapped.samples) == sorted(tok.decode(r) for _, r in first.samples)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "payload", "not_a_cache"])
+def test_a_damaged_or_planted_cache_is_rebuilt_and_runs_nothing(tmp_path, tok, damage):
+    out = str(tmp_path / "out")
+    first, _ = du.create_prompt_dataset(-1, [SMALL], "2,4,4", out, 1, SEED, tok, 64)
+    train_file = os.path.join(out, [f for f in cache_files(out) if f.startswith("train")][0])
+    marker = tmp_path / "payload-ran"
+    if damage == "truncated":
+        with open(train_file, "r+b") as f:
+            f.truncate(os.path.getsize(train_file) // 2)
+    elif damage == "payload":
+        torch.save({"samples": [], "stats": {}, "x": Payload(marker)}, train_file)
+    else:
+        torch.save([1, 2, 3], train_file)
+    lines = []
+    again, _ = du.create_prompt_dataset(-1, [SMALL], "2,4,4", out, 1, SEED, tok, 64, log=lines.append)
+    assert any("is damaged or holds more than data" in line and "rebuilding it" in line for line in lines), lines
+    assert [s.tolist() for s in again.samples] == [s.tolist() for s in first.samples]
+    assert not marker.exists()
 
 
 # --------------------------------------------------------------------------- real data

@@ -238,8 +238,14 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, unit: str = "optimizer 
                         "none). Without it, a valid checkpoint is still resumed from automatically.")
     g.add_argument("--max_checkpoints", type=int, default=2, help="Keep only the newest this many checkpoints.")
     g.add_argument("--overwrite", action="store_true",
-                   help="Start afresh in an --output_dir that holds an earlier run: delete its model, checkpoints "
-                        "and metrics.jsonl first. Without it a finished run's folder is refused.")
+                   help="Start afresh in an --output_dir that holds an earlier run: its model, checkpoints and "
+                        "metrics.jsonl are set aside, deleted after the first training step (put back if the run "
+                        "fails before). "
+                        "Without it a finished run's folder is refused.")
+    g.add_argument("--trust_checkpoint", action="store_true",
+                   help="Resume from a checkpoint whose files would import Python objects beyond tensors, plain "
+                        "data and DeepSpeed's own records (refused otherwise: unpickling them can run code). Only "
+                        "for checkpoints you made yourself.")
     return g
 
 

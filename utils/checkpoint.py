@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -76,7 +77,7 @@ RUN_ONLY_FLAGS = frozenset((
     "local_rank", "global_rank", "output_dir", "data_output_path", "save_interval", "max_checkpoints", "resume",
     "overwrite", "print_loss", "enable_tensorboard", "tensorboard_path", "print_answers", "print_answers_interval",
     "eval_interval", "eval_iters", "per_device_eval_batch_size", "preprocessing_num_workers", "deepspeed",
-    "deepspeed_config", "deepscale", "deepscale_config", "num_train_epochs", "max_steps"))
+    "deepspeed_config", "deepscale", "deepscale_config", "num_train_epochs", "max_steps", "trust_checkpoint"))
 
 
 # --------------------------------------------------------------------------- RNG
@@ -266,6 +267,34 @@ def _broadcast(obj):
 
 # --------------------------------------------------------------------------- manager
 
+# Classes DeepSpeed's own checkpoint files import (ZeRO 1-3, fp32/fp16/bf16), found by scanning real ones;
+# unpickling these builds plain records, it runs nothing.
+DEEPSPEED_PICKLE_GLOBALS = frozenset((
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address"))
+
+
+def check_pickles(folder: str) -> None:
+    """Refuse a checkpoint whose ``.pt`` files would import anything beyond tensors, plain data and
+    :data:`DEEPSPEED_PICKLE_GLOBALS` when unpickled (DeepSpeed loads them with ``weights_only=False``, so a
+    planted ``os.system`` would run). Reads only each file's pickle, not its tensors. ``--trust_checkpoint``
+    skips it."""
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.pt"), recursive=True)):
+        try:
+            found = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except Exception as e:  # noqa: BLE001 - not a zip checkpoint torch can scan: not one we wrote
+            raise UserInputError(f"checkpoint file {path} cannot be checked before loading ({type(e).__name__}); "
+                                 "delete the checkpoint, start afresh with --overwrite, or pass --trust_checkpoint "
+                                 "if you made it yourself") from None
+        unsafe = sorted(found - DEEPSPEED_PICKLE_GLOBALS)
+        if unsafe:
+            raise UserInputError(f"checkpoint file {path} would import {', '.join(unsafe)} when loaded, which can "
+                                 "run code; not resuming from it. Delete the checkpoint or start afresh with "
+                                 "--overwrite; pass --trust_checkpoint only if you made it yourself")
+
+
 def run_inputs(data=None, **models) -> dict:
     """What a resumed run must find unchanged beyond its flags, for :meth:`CheckpointManager.from_args`:
     ``data`` (a :class:`~utils.data.data_utils.PromptDataset`: its cache key covers the data files' content,
@@ -295,6 +324,7 @@ class CheckpointManager:
         self.warn = warn or (lambda msg: log(f"warning: {msg}"))
         self.save_interval = save_interval
         self.require_resume = require_resume
+        self.trust_checkpoint = False  # --trust_checkpoint: load without check_pickles
         self.config = dict(config or {})
         self.metrics = None  # a TrainLogger whose metrics.jsonl follows the resumed step (from_args)
 
@@ -313,6 +343,7 @@ class CheckpointManager:
         manager = cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
                       require_resume=args.resume, config=config, warn=log.warning)
         manager.metrics = log
+        manager.trust_checkpoint = getattr(args, "trust_checkpoint", False)
         return manager
 
     # ------------------------------------------------------------------ listing
@@ -412,11 +443,19 @@ class CheckpointManager:
                                  "it, or start afresh with --overwrite (or a new --output_dir)")
 
     def load(self, engines: Dict[str, object], path: Optional[str] = None) -> Optional[dict]:
-        """Load the newest valid checkpoint into ``engines`` (collective); returns the trainer state or None."""
+        """Load the newest valid checkpoint into ``engines`` (collective); returns the trainer state or None.
+        DeepSpeed unpickles its files in full, so they are scanned first (:func:`check_pickles`)."""
         path = path or self.find_valid()
         if path is None:
             return None
-        state = torch.load(os.path.join(path, STATE), weights_only=True)
+        if not self.trust_checkpoint:
+            check_pickles(path)
+        try:
+            state = torch.load(os.path.join(path, STATE), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UserInputError(f"checkpoint {path}: {STATE} holds more than tensors and plain data, which could "
+                                 f"run code when loaded ({str(e).splitlines()[-1][:200]}); delete the checkpoint "
+                                 "or start afresh with --overwrite") from None
         self._check_config(path, state.get("config", {}))
         for engine_name, engine in engines.items():
             load_path, _ = engine.load_checkpoint(os.path.join(path, engine_name), tag="state")

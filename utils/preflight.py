@@ -69,6 +69,22 @@ def check_chat_template(flag: str, name_or_path: str, trust_remote_code: bool = 
     chat_format(load_hf_tokenizer(name_or_path, trust_remote_code=trust_remote_code), f"{flag} {name_or_path}")
 
 
+def check_bin_weights(flag: str, folder: str, name: str) -> None:
+    """A pickled ``*.bin`` weights file imports nothing beyond tensors and plain data (transformers loads it
+    with ``weights_only`` and would stop with a traceback; this says it in one line). Reads its pickle only."""
+    import torch
+
+    path = os.path.join(folder, name)
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - not a zip file: truncated, or the old tar format
+        raise UserInputError(f"{flag} {folder}: {name} cannot be read as PyTorch weights ({type(e).__name__}); "
+                             "copy or save the model again") from None
+    if unsafe:
+        raise UserInputError(f"{flag} {folder}: {name} would import {', '.join(sorted(unsafe))} when loaded, which "
+                             "can run code; not loading it (use a trusted copy, ideally in safetensors)")
+
+
 def check_weights_readable(flag: str, folder: str) -> None:
     """Every ``*.safetensors`` file of a local model folder has a complete header that covers the file.
 
@@ -80,6 +96,8 @@ def check_weights_readable(flag: str, folder: str) -> None:
     from safetensors import safe_open
 
     for name in sorted(os.listdir(folder)):
+        if name.endswith(".bin") and os.path.isfile(os.path.join(folder, name)):
+            check_bin_weights(flag, folder, name)
         if not name.endswith(".safetensors"):
             continue
         path = os.path.join(folder, name)

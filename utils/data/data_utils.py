@@ -274,6 +274,14 @@ def check_data_sources(names: Sequence[str], output_path: str, seed: int) -> Non
             raw.load()
 
 
+def _load_cache(path: str) -> dict:
+    """A cache file, loaded without running code (``weights_only``); raises on anything else."""
+    blob = torch.load(path, weights_only=True)
+    if not isinstance(blob, dict) or "samples" not in blob or "stats" not in blob:
+        raise ValueError("not a data cache")
+    return blob
+
+
 def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_phase, seed, tokenizer,
                           max_seq_len, end_of_conversation_token="<|endoftext|>", sft_only_data_path=(),
                           reload=False, log=print, apply_chat_template=False):
@@ -302,6 +310,13 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
     eval_file = os.path.join(output_path, f"evaldata_phase{train_phase}_{key}.pt")
     cached = os.path.isfile(train_file) and os.path.isfile(eval_file)
 
+    blobs = {}  # rank 0 reads the cache once: a damaged or foreign one (truncated, a pickle payload) is rebuilt
+    if local_rank <= 0 and cached and not reload:
+        try:
+            blobs = {path: _load_cache(path) for path in (train_file, eval_file)}
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with it, the data are still there to re-read
+            log(f"data cache {train_file} is damaged or holds more than data ({type(e).__name__}); rebuilding it")
+            reload = True
     if local_rank <= 0 and (reload or not cached):
         parts = {"data": [], "sft": []}  # (train, eval) of each dataset
         for name in data_path:
@@ -319,7 +334,13 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
 
     datasets = []
     for path in (train_file, eval_file):
-        blob = torch.load(path, weights_only=True)
+        blob = blobs.get(path)
+        if blob is None:
+            try:
+                blob = _load_cache(path)
+            except Exception as e:  # noqa: BLE001 - rank 0 has just checked or rebuilt it
+                raise UserInputError(f"cannot read the data cache {path} ({type(e).__name__}: {e}); delete "
+                                     f"{output_path} to rebuild it") from None
         datasets.append(PromptDataset(blob["samples"], train_phase, blob["stats"]))
     train_dataset, eval_dataset = datasets
     train_dataset.cache_key = eval_dataset.cache_key = key  # what a resumed run must find unchanged
