@@ -333,3 +333,33 @@ def test_two_train_py_runs_on_one_output_dir(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_build_lock_left_by_a_killed_compile_is_cleared_and_a_live_one_kept(tmp_path):
+    """A run killed while DeepSpeed compiled its shared-memory op left torch's build ``lock``: every later run
+    would wait for it forever. Old and with nobody working in the build folder: removed (one line). Fresh, or
+    with a process working there (a live compile): kept."""
+    import subprocess
+    import time
+
+    from utils.distributed import clear_stale_extension_locks
+
+    def lock(name, age):
+        folder = tmp_path / "py311_cpu" / name
+        folder.mkdir(parents=True)
+        (folder / "lock").write_text("")
+        os.utime(folder / "lock", (time.time() - age, time.time() - age))
+        return folder
+
+    stale, fresh, live = lock("deepspeed_shm_comm", 600), lock("fresh_op", 1), lock("live_op", 600)
+    compiler = subprocess.Popen(["sleep", "60"], cwd=live)  # a compile at work in its build folder
+    try:
+        lines = []
+        cleared = clear_stale_extension_locks(str(tmp_path), log=lines.append)
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert cleared == [str(stale / "lock")] and not (stale / "lock").exists()
+    assert (fresh / "lock").exists() and (live / "lock").exists()
+    assert lines == [f"removed a stale build lock {stale / 'lock'} (a compile killed before it finished)"]
+    assert clear_stale_extension_locks(str(tmp_path / "empty")) == []

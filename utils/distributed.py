@@ -42,6 +42,48 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def clear_stale_extension_locks(root: str | None = None, min_age_s: float = 30.0, log=None) -> list:
+    """Remove build locks a killed compile left in the torch-extensions cache; returns their paths.
+
+    DeepSpeed JIT-compiles its ops (on the CPU: the shared-memory op, at start-up) under a ``lock`` file
+    that the compiling process deletes when it is done; killed in between, it leaves the file, and every
+    later run waits for it forever, silently. A lock counts as stale when it is older than ``min_age_s``
+    and no process works in its build folder (a live compile runs ninja and the compilers there).
+    ``root``: the cache (default: torch's, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``).
+    """
+    import glob
+    import time
+
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    locks = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
+    if not locks:
+        return []
+    busy = set()
+    for cwd in glob.glob("/proc/[0-9]*/cwd"):
+        try:
+            busy.add(os.path.realpath(os.readlink(cwd)))
+        except OSError:
+            continue
+    cleared = []
+    for lock in locks:
+        folder = os.path.realpath(os.path.dirname(lock))
+        try:
+            old = time.time() - os.path.getmtime(lock) > min_age_s
+        except OSError:
+            continue
+        if old and not any(path == folder or path.startswith(folder + os.sep) for path in busy):
+            try:
+                os.remove(lock)
+            except OSError:
+                continue
+            cleared.append(lock)
+            (log or print)(f"removed a stale build lock {lock} (a compile killed before it finished)")
+    return cleared
+
+
 def init_distributed(args) -> torch.device:
     """Initialise DeepSpeed's process group; works under ``deepspeed``, ``torchrun`` and plain ``python``.
 
@@ -59,6 +101,8 @@ def init_distributed(args) -> torch.device:
     args.local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", 0), 0)))
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
+        if args.local_rank == 0:  # DeepSpeed builds its shared-memory op now: a killed build must not hang us
+            clear_stale_extension_locks()
         deepspeed.init_distributed(dist_backend="gloo")
         atexit.register(_remove_shm_buffer)
         device = torch.device("cpu")
