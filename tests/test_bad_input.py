@@ -182,6 +182,14 @@ CLI_CASES = {
                                                  {"forty.jsonl": FORTY_ROWS}, ["phase-1 eval split is empty"],
                                                  {"copy": {"out": ("tiny-opt", None)}, "keep_out": True,
                                                   "untouched": True}),
+    "model_folder_without_weights": (STEP1, [*TINY, "--model_name_or_path", "{dir}/model"], {},
+                                     ["--model_name_or_path", "no weights in it"],
+                                     {"copy": {"model": ("tiny-opt", "no_weights")}}),
+    "llama_folder_without_tokenizer_files": (STEP1, [*TINY, "--model_name_or_path", "{dir}/model"], {},
+                                             ["--model_name_or_path", "no tokenizer files in it"],
+                                             {"copy": {"model": ("tiny-llama", "no_tokenizer")}}),
+    "unknown_model_type_chat": (CHAT, ["--path", "{dir}/model"], {}, ["--path", "model_type 'foo'", "does not know"],
+                                {"bare": True, "copy": {"model": ("tiny-opt", "unknown_type")}}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},
@@ -221,7 +229,8 @@ def llama_reward_folder(tmp_path_factory):
 
 
 def copy_builtin(name, dst, damage=None):
-    """A copy of a built-in model's folder; ``damage="truncate"`` cuts its weights file in half."""
+    """A copy of a built-in model's folder; ``damage``: "truncate" cuts its weights file in half, "no_weights",
+    "no_tokenizer" remove them, "unknown_type" writes model_type "foo" into its config."""
     import shutil
 
     from utils.model.model_utils import resolve_model_name_or_path
@@ -230,6 +239,17 @@ def copy_builtin(name, dst, damage=None):
     if damage == "truncate":
         weights = os.path.join(dst, "model.safetensors")
         os.truncate(weights, os.path.getsize(weights) // 2)
+    elif damage == "no_weights":
+        os.remove(os.path.join(dst, "model.safetensors"))
+    elif damage == "no_tokenizer":
+        for name in os.listdir(dst):
+            if name.startswith("tokenizer"):
+                os.remove(os.path.join(dst, name))
+    elif damage == "unknown_type":
+        with open(os.path.join(dst, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(dict(config, model_type="foo"), f)
     return dst
 
 

@@ -363,3 +363,18 @@ def test_a_build_lock_left_by_a_killed_compile_is_cleared_and_a_live_one_kept(tm
     assert (fresh / "lock").exists() and (live / "lock").exists()
     assert lines == [f"removed a stale build lock {stale / 'lock'} (a compile killed before it finished)"]
     assert clear_stale_extension_locks(str(tmp_path / "empty")) == []
+
+
+def test_temporaries_of_a_killed_save_are_removed_by_the_next_run(tmp_path):
+    """atomic_directory writes .NAME.tmp-* (and moves the old folder to .NAME.old-*) beside the folder; a
+    kill -9 mid-save leaves them. The next run on that folder (holding its lock) removes them, and only them."""
+    from utils.files import remove_stale_temporaries
+
+    out = tmp_path / "out"
+    left = [tmp_path / ".out.tmp-k2j3", tmp_path / ".out.old-9x", out / ".actor.tmp-77", out / ".critic.old-1"]
+    keep = [tmp_path / ".other.tmp-1", out / "actor", out / "checkpoints" / ".tmp-step-00000004"]
+    for folder in left + keep:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    assert remove_stale_temporaries(str(out)) == sorted(map(str, left))
+    assert not any(p.exists() for p in left) and all(p.exists() for p in keep)

@@ -197,6 +197,10 @@ def test_loads_reference_checkpoint_layout(opt, tmp_path, prefix):
     torch.save(state, folder / "pytorch_model.bin")
     loaded = create_critic_model(str(folder), tok, None, 1, rlhf_training=True)
     assert torch.equal(loaded.v_head.weight, model.v_head.weight)
+    from utils.preflight import check_causal_lm_path  # as chat.py's or step 3's causal LM: refused, not random
+
+    with pytest.raises(UserInputError, match=r"--path .*: its weights are a reward model's .* not a causal language"):
+        check_causal_lm_path("--path", str(folder))
 
 
 def test_step1_folder_is_not_a_reward_model(opt):

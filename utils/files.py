@@ -177,3 +177,22 @@ def lock_output_dir(out_dir: str) -> None:
     f.write(f"{os.getpid()} on {os.uname().nodename}\n")
     f.flush()
     _HELD_LOCKS[out_dir] = f
+
+
+def remove_stale_temporaries(out_dir: str) -> list:
+    """Remove what saves killed mid-way left (:func:`atomic_directory`'s ``.NAME.tmp-*`` and ``.NAME.old-*``)
+    beside ``out_dir`` and, for step 3's sub-folders, inside it; returns the paths removed. Call only while
+    holding :func:`lock_output_dir`: then no other run can be writing them."""
+    import glob
+
+    out_dir = os.path.abspath(out_dir)
+    name = glob.escape(os.path.basename(out_dir))
+    found = []
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
+        found += glob.glob(os.path.join(glob.escape(os.path.dirname(out_dir)), pattern))
+    if os.path.isdir(out_dir):
+        for pattern in (".*.tmp-*", ".*.old-*"):
+            found += glob.glob(os.path.join(glob.escape(out_dir), pattern))
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(found)

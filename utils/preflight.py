@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 
 from utils.errors import UserInputError
 from utils import overwrite as overwrite_files
-from utils.files import lock_output_dir
+from utils.files import lock_output_dir, remove_stale_temporaries
 
 
 def check_output_dir_writable(out_dir: Optional[str], flag: str = "--output_dir") -> None:
@@ -57,8 +57,35 @@ def check_causal_lm_path(flag: str, name_or_path: str) -> str:
     if os.path.isfile(os.path.join(path, MARKER_FILE)):
         raise UserInputError(f"{flag} {name_or_path}: this is a step-2 reward model folder (it has {MARKER_FILE}), "
                              "not a causal language model; give the step-1 output (or a base model) here")
+    check_model_folder(flag, path)
     check_weights_readable(flag, path)
+    names = weight_names(path)
+    if "v_head.weight" in names or any(n.startswith(("rwtransformer.", "rwtranrsformer.")) for n in names):
+        raise UserInputError(f"{flag} {name_or_path}: its weights are a reward model's (a value head, v_head, on "
+                             "rwtransformer.*: DeepSpeed-Chat's step-2 layout), not a causal language model's; its "
+                             "LM weights would be made up at random. Give the step-1 output (or a base model) here")
     return path
+
+
+def weight_names(folder: str) -> set:
+    """The tensor names in a local folder's first weights file (safetensors header, or a ``.bin``'s pickle with
+    its tensors memory-mapped, not read); empty for a hub name or a folder without weights."""
+    if not os.path.isdir(folder):
+        return set()
+    names = sorted(os.listdir(folder))
+    for name in names:
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(folder, name), framework="pt") as f:
+                return set(f.keys())
+    for name in names:
+        if name.endswith(".bin"):
+            import torch
+
+            state = torch.load(os.path.join(folder, name), weights_only=True, mmap=True, map_location="cpu")
+            return set(state) if isinstance(state, dict) else set()
+    return set()
 
 
 def check_chat_template(flag: str, name_or_path: str, trust_remote_code: bool = False) -> None:
@@ -67,6 +94,41 @@ def check_chat_template(flag: str, name_or_path: str, trust_remote_code: bool = 
     from utils.model.model_utils import load_hf_tokenizer
 
     chat_format(load_hf_tokenizer(name_or_path, trust_remote_code=trust_remote_code), f"{flag} {name_or_path}")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_model_folder(flag: str, folder: str) -> None:
+    """A local model folder holds what loading it needs: a config whose ``model_type`` this transformers
+    knows (or code it names: ``auto_map``), weights, and tokenizer files. Each missing piece is one line here,
+    not a traceback from deep inside ``from_pretrained`` (or, for the weights, one after DeepSpeed's set-up)."""
+    import json
+
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder) or not os.path.isfile(config_file):
+        return  # a hub name, or reported by the callers' own checks
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"{flag} {folder}: config.json cannot be read ({e})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not config.get("auto_map"):
+        from transformers import CONFIG_MAPPING, __version__
+
+        if model_type not in CONFIG_MAPPING:
+            raise UserInputError(f"{flag} {folder}: its config.json says model_type {model_type!r}, which "
+                                 f"transformers {__version__} does not know (a newer transformers, or a folder with "
+                                 "its own code and --trust_remote_code, may)")
+    names = os.listdir(folder)
+    if not any(n.endswith((".safetensors", ".bin")) or n.endswith(".index.json") for n in names):
+        raise UserInputError(f"{flag} {folder}: no weights in it (model.safetensors, pytorch_model.bin or a "
+                             "sharded index); copy them beside its config.json")
+    if not any(n in TOKENIZER_FILES for n in names):
+        raise UserInputError(f"{flag} {folder}: no tokenizer files in it ({', '.join(TOKENIZER_FILES[:3])} ...); "
+                             "copy them from the model it was trained from")
 
 
 def check_bin_weights(flag: str, folder: str, name: str) -> None:
@@ -151,6 +213,7 @@ def check_reward_model_path(flag: str, name_or_path: str) -> str:
         folder = check_reward_model_folder(resolve_model_name_or_path(name_or_path))
     except UserInputError as e:
         raise UserInputError(f"{flag}: {e}") from None
+    check_model_folder(flag, folder)
     check_weights_readable(flag, folder)
     return folder
 
@@ -316,4 +379,6 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
         check_data_sources(names, args.data_output_path, args.seed)
     if getattr(args, "output_dir", None) and int(os.environ.get("RANK", "0")) == 0:
         lock_output_dir(args.output_dir)  # before --overwrite deletes anything: one folder, one run
+        for path in remove_stale_temporaries(args.output_dir):
+            print(f"removed {path}, left by a save that was killed", flush=True)
     prepare_output_dir(args)
