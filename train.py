@@ -38,6 +38,7 @@ from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, PPOConfig, RewardCo
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
 from utils.files import lock_output_dir
+from utils.preflight import check_output_dir_writable
 from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
 
@@ -648,6 +649,7 @@ def main(args) -> int:
             print(launch.command_line)
         return 0
     try:
+        check_output_dir_writable(args.output_dir, "--output-dir")
         lock_output_dir(args.output_dir)  # two train.py runs on one --output-dir would mix their logs
         check_inputs(args, plan)
     except (PlanError, UserInputError) as e:

@@ -190,6 +190,11 @@ CLI_CASES = {
                                              {"copy": {"model": ("tiny-llama", "no_tokenizer")}}),
     "unknown_model_type_chat": (CHAT, ["--path", "{dir}/model"], {}, ["--path", "model_type 'foo'", "does not know"],
                                 {"bare": True, "copy": {"model": ("tiny-opt", "unknown_type")}}),
+    "data_output_path_is_a_file": (STEP1, [*TINY, "--data_output_path", "{dir}/afile", "--output_dir", "{dir}/out"],
+                                   {"afile": "x"}, ["--data_output_path", "afile: exists and is not a folder"],
+                                   {"bare": True}),
+    "train_py_output_dir_is_a_file": (TRAIN, ["--demo", "--output-dir", "{dir}/afile"], {"afile": "x"},
+                                      ["--output-dir", "afile: exists and is not a folder"], {"bare": True}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},
