@@ -612,3 +612,43 @@ def test_a_bin_model_that_would_run_code_is_refused_in_one_line(tmp_path):
                                              r"can run code; not loading it"):
         check_causal_lm_path("--model_name_or_path", str(folder))
     assert not marker.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``mount(size)``: a real tmpfs of ``size`` (e.g. "12k") under tmp_path, unmounted afterwards; the test is
+    skipped where mounting is not allowed (not root, no privilege)."""
+    mounted = []
+
+    def mount(size):
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({res.stderr.decode().strip() or res.returncode})")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", ["data_output_path", "output_dir"])
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, small_disk, full):
+    """A real full disk (a small tmpfs): while writing the data split index and cache, or the model. One
+    error line, exit 2, no temporary file or folder left on the full disk."""
+    from tests.conftest import run_entry
+
+    disk = small_disk("12k" if full == "data_output_path" else "40k")
+    data = disk / "data" if full == "data_output_path" else tmp_path / "data"
+    out = tmp_path / "out" if full == "data_output_path" else disk / "out"
+    res = run_entry(STEP1, *TINY, "--max_steps", "2", "--output_dir", out, "--data_output_path", data,
+                    env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if "error: " in line]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "Traceback" not in res.stderr
+    left = [str(p) for p in disk.rglob("*") if ".tmp" in p.name]
+    assert not left, left
+    assert not (out / "config.json").exists()

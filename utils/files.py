@@ -58,6 +58,24 @@ def is_write_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "inline_container" in text)
 
 
+def atomic_write(path: str, write, what: str = "file") -> None:
+    """``write(tmp)`` into ``<path>.tmp<pid>``, then rename it into place. On a failure the temporary file
+    is removed (a full disk leaves nothing half-written behind) and a write failure becomes one
+    :class:`UserInputError` line naming ``what`` and ``path``."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if is_write_failure(e):
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
+            raise UserInputError(f"cannot write {what} {path}: {reason} (disk full, quota or read-only file "
+                                 "system?)") from None
+        raise
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str):
     """Write a folder atomically: yields a temporary sibling, renames it into place on success.

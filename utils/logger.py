@@ -15,6 +15,8 @@ import sys
 import time
 
 from utils.distributed import is_rank_0
+from utils.errors import UserInputError
+from utils.files import atomic_write
 
 
 class TrainLogger:
@@ -57,13 +59,18 @@ class TrainLogger:
             for key, value in clean.items():
                 self.writer.add_scalar(f"{prefix}/{key}" if prefix else key, value, step)
             self.writer.flush()
-        if self.metrics_dir and self.metrics_file is None:  # opened on first use: a run that fails
-            os.makedirs(self.metrics_dir, exist_ok=True)  # during set-up leaves no output folder behind
-            self.metrics_file = open(os.path.join(self.metrics_dir, "metrics.jsonl"), "a", buffering=1)
-        if self.metrics_file is not None:
-            row = {"step": step, "phase": prefix, "time": round(time.time(), 3)}
-            row.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
-            self.metrics_file.write(json.dumps(row) + "\n")
+        path = os.path.join(self.metrics_dir or "", "metrics.jsonl")
+        try:
+            if self.metrics_dir and self.metrics_file is None:  # opened on first use: a run that fails
+                os.makedirs(self.metrics_dir, exist_ok=True)  # during set-up leaves no output folder behind
+                self.metrics_file = open(path, "a", buffering=1)
+            if self.metrics_file is not None:
+                row = {"step": step, "phase": prefix, "time": round(time.time(), 3)}
+                row.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
+                self.metrics_file.write(json.dumps(row) + "\n")
+        except OSError as e:  # a full disk or a vanished folder: one line, not a traceback from the loop
+            raise UserInputError(f"cannot write {path}: {e.strerror or e} (disk full, quota or read-only file "
+                                 "system?)") from None
 
     def restart_metrics(self, resumed_step: int | None) -> None:
         """Make ``metrics.jsonl`` this run's record: rows of an earlier attempt past ``resumed_step`` go.
@@ -91,10 +98,10 @@ class TrainLogger:
                         continue
                     if step < resumed_step or (step == resumed_step and row.get("phase") == "train"):
                         keep.append(line if line.endswith("\n") else line + "\n")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+        atomic_write(path, write, "the metrics log")
 
     def close(self) -> None:
         if self.writer is not None:

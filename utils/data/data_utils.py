@@ -232,9 +232,9 @@ def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, 
 
 
 def _save(obj, path):
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from utils.files import atomic_write
+
+    atomic_write(path, lambda tmp: torch.save(obj, tmp), "the data cache")
 
 
 def _concat_shuffled(datasets: Sequence[PromptDataset], seed: int, train_phase: int) -> PromptDataset:

@@ -16,6 +16,7 @@ from typing import List, Sequence
 import numpy as np
 
 from utils.errors import UserInputError
+from utils.files import atomic_write
 
 
 def parse_data_split(data_split: str, expected: int = 3) -> List[float]:
@@ -73,12 +74,20 @@ def get_split_index(output_path: str, dataset_name: str, seed: int, split_name: 
         return os.path.join(output_path, f"{safe_name}_seed{seed}_{split_name}_{data_split}_{i}.npy")
     wanted = path(split_index)
     if os.path.isfile(wanted):
-        idx = np.load(wanted, allow_pickle=False)
-        if idx.size == 0 or int(idx.max()) < data_size:
-            return idx
-    os.makedirs(output_path, exist_ok=True)
-    for i, idx in enumerate(split_indices(data_size, data_split, seed, expected)):
-        tmp = path(i) + f".tmp{os.getpid()}.npy"
-        np.save(tmp, idx, allow_pickle=False)
-        os.replace(tmp, path(i))
-    return np.load(wanted, allow_pickle=False)
+        try:
+            idx = np.load(wanted, allow_pickle=False)
+            if idx.size == 0 or int(idx.max()) < data_size:
+                return idx
+        except (ValueError, OSError, EOFError):  # truncated or not an index: rebuilt below
+            pass
+    try:
+        os.makedirs(output_path, exist_ok=True)
+    except OSError as e:
+        raise UserInputError(f"--data_output_path {output_path}: cannot create it ({e.strerror or e})") from None
+    indices = split_indices(data_size, data_split, seed, expected)
+    for i, idx in enumerate(indices):
+        def write(tmp, idx=idx):
+            with open(tmp, "wb") as f:  # np.save would append ".npy" to a name without it
+                np.save(f, idx, allow_pickle=False)
+        atomic_write(path(i), write, "the data split index")
+    return indices[split_index]
