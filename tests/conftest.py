@@ -50,6 +50,9 @@ def deepspeed_ops_built():
     disk-full case) cannot kill the compiler and leave a stale lock that hangs every
     later run.
     """
+    from utils.distributed import clear_stale_extension_locks
+
+    clear_stale_extension_locks()  # a build killed in an earlier session would make this wait forever
     code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
