@@ -88,6 +88,10 @@ def validate(args):
                              f"(got --num_beams {args.num_beams}); greedy decoding returns one sequence")
     if args.prompts is not None and not all(p.strip() for p in args.prompts):
         raise UserInputError("--prompts: empty prompt")
+    from utils.preflight import check_causal_lm_path
+
+    for flag in ("--model_name_or_path_baseline", "--model_name_or_path_finetune"):  # one line, not a traceback
+        check_causal_lm_path(flag, getattr(args, flag[2:]))
 
 
 def load(name_or_path, args, device):

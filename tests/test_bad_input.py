@@ -43,6 +43,7 @@ DPO = "step2_dpo_finetuning/main.py"
 STEP3 = "step3_rlhf_finetuning/main.py"
 CHAT = "chat.py"
 RW_EVAL = "step2_reward_model_finetuning/rw_eval.py"
+PROMPT_EVAL = "step1_supervised_finetuning/prompt_eval.py"
 TRAIN = "train.py"
 TINY = ["--model_name_or_path", "tiny-opt", "--max_seq_len", "64", "--data_path", "builtin/preference-small"]
 STEP3_MODELS = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "{rm}",
@@ -195,6 +196,14 @@ CLI_CASES = {
                                    {"bare": True}),
     "train_py_output_dir_is_a_file": (TRAIN, ["--demo", "--output-dir", "{dir}/afile"], {"afile": "x"},
                                       ["--output-dir", "afile: exists and is not a folder"], {"bare": True}),
+    "prompt_eval_unknown_model_type": (PROMPT_EVAL, ["--model_name_or_path_baseline", "tiny-opt",
+                                                     "--model_name_or_path_finetune", "{dir}/model"], {},
+                                       ["--model_name_or_path_finetune", "model_type 'foo'"],
+                                       {"bare": True, "copy": {"model": ("tiny-opt", "unknown_type")}}),
+    "prompt_eval_on_a_reward_folder": (PROMPT_EVAL, ["--model_name_or_path_baseline", "tiny-opt",
+                                                     "--model_name_or_path_finetune", "{rm}"], {},
+                                       ["--model_name_or_path_finetune", "step-2 reward model folder"],
+                                       {"bare": True}),
     # a run that trains, then hits a full disk (a 1.5 MB file-size limit) writing its first checkpoint
     "disk_full_while_checkpointing": (STEP1, [*TINY, "--per_device_train_batch_size", "8", "--max_steps", "2",
                                               "--save_interval", "2"], {},
