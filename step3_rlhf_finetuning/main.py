@@ -47,6 +47,7 @@ from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
+from utils import fault_injection
 from utils.finite import check_finite, check_weights_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
@@ -488,9 +489,11 @@ def save_models(args, engine, tokenizer, log) -> None:
     trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
     if engine.critic is not None:
         save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
+        fault_injection.save_point(1)  # test hook: a kill here must leave a folder that resumes
     if engine.actor_ema is not None:
         save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
                        args.actor_zero_stage, trained_in)
+        fault_injection.save_point(len(saved) - 1)
     save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)
 
 

@@ -625,14 +625,16 @@ def test_a_bin_model_that_would_run_code_is_refused_in_one_line(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """``mount(size)``: a real tmpfs of ``size`` (e.g. "12k") under tmp_path, unmounted afterwards; the test is
+    """``mount(size, read_only=False)``: a real tmpfs of ``size`` (e.g. "12k") under tmp_path, unmounted afterwards
+    (read-only even for root with ``read_only``); the test is
     skipped where mounting is not allowed (not root, no privilege)."""
     mounted = []
 
-    def mount(size):
+    def mount(size, read_only=False):
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        options = f"size={size}" + (",ro" if read_only else "")
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
         if res.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({res.stderr.decode().strip() or res.returncode})")
         mounted.append(where)
@@ -661,3 +663,32 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, small
     left = [str(p) for p in disk.rglob("*") if ".tmp" in p.name]
     assert not left, left
     assert not (out / "config.json").exists()
+
+
+READ_ONLY_CASES = {  # name: (entry point, arguments with {ro} on the read-only disk and {rw} beside it, flag named)
+    "step1_output_dir": (STEP1, [*TINY, "--output_dir", "{ro}/out", "--data_output_path", "{rw}/data"],
+                         "--output_dir"),
+    "step1_data_output_path": (STEP1, [*TINY, "--output_dir", "{rw}/out", "--data_output_path", "{ro}/data"],
+                               "--data_output_path"),
+    "step1_tensorboard_path": (STEP1, [*TINY, "--output_dir", "{rw}/out", "--data_output_path", "{rw}/data",
+                                       "--enable_tensorboard", "--tensorboard_path", "{ro}/tb"], "--tensorboard_path"),
+    "step3_grpo_output_dir": (STEP3, [*GRPO, "--reward_fn", "builtin_rule", "--output_dir", "{ro}/out",
+                               "--data_output_path", "{rw}/data"],
+                              "--output_dir"),
+    "train_output_dir": (TRAIN, ["--demo", "--output-dir", "{ro}/out"], "--output-dir"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(READ_ONLY_CASES))
+def test_a_read_only_file_system_is_one_line_before_anything_runs(tmp_path, small_disk, name):
+    """Issue 25, rule 8, on a real read-only mount (which root cannot write either, unlike a folder whose
+    permission bits say so): one error line naming the flag, exit 2, nothing written beside it."""
+    from tests.conftest import run_entry
+
+    script, args, flag = READ_ONLY_CASES[name]
+    ro, rw = small_disk("1m", read_only=True), tmp_path / "rw"
+    res = run_entry(script, *[a.format(ro=ro, rw=rw) for a in args], env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if "error: " in line]
+    assert len(lines) == 1 and f"{flag} {ro}" in lines[0] and "Read-only file system" in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not rw.exists()

@@ -221,3 +221,22 @@ def test_two_rank_zero2_run_resumes_across_an_epoch_boundary(tmp_path):
     assert f"resumed from {state} (step 6)" in proc.stdout
     assert "Beginning of Epoch 2/2, Total Micro Batches 4" in proc.stdout  # 80 samples / 2 ranks / 8 = 5 batches
     assert_bitwise_equal(tmp_path / "reference", tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folders_saved", [1, 2])
+def test_step3_killed_between_its_final_saves_resumes_not_refused_as_finished(folders_saved, tmp_path,
+                                                                              tmp_path_factory):
+    """Issue 25, rule 1: step 3 saves critic/, actor_ema/, then actor/ (the completion marker). A SIGKILL after
+    the first or second folder leaves a run that is not finished: the rerun resumes from its last checkpoint
+    (not "already holds a finished run") and ends bit-identical to the uninterrupted run."""
+    reference, _, data = prepared("step3", tmp_path_factory)
+    out = tmp_path / "run"
+    killed = run(STEPS["step3"], out, data, env=fault_injection.setting("killsave", folders_saved))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-3000:]
+    written = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert written == {1: ["checkpoints", "critic"], 2: ["actor_ema", "checkpoints", "critic"]}[folders_saved]
+    proc = ok(run(STEPS["step3"], out, data))
+    assert "finished run" not in proc.stderr
+    assert f"resumed from {out / 'checkpoints' / 'step-00000006'} (step 6)" in proc.stdout
+    assert_bitwise_equal(reference, out)

@@ -8,12 +8,15 @@ not of mocks, so the fault has to happen inside a real step's process, at a know
   checkpoint and end bit-exactly where an uninterrupted run ends (tests/test_resume.py);
 * ``DSCHAT_FAULT_INJECT=interrupt@N``: SIGINT there instead (a Ctrl-C); the run must print
   where to resume and exit 130 (tests/test_reruns.py);
+* ``DSCHAT_FAULT_INJECT=killsave@N``: SIGKILL right after the N-th model folder of step 3's final
+  save (``critic/``, ``actor_ema/``, then ``actor/``); the folder must not count as finished, and the
+  rerun must resume and end bit-exactly as an uninterrupted run (tests/test_resume.py);
 * ``DSCHAT_FAULT_INJECT=nan@N``: the first quantity :func:`utils.finite.check_finite` checks
   at step N reads as NaN; the run must stop with exit code 3, saving nothing new
   (tests/test_resume.py).
 
 The hooks (:func:`nan_at` in ``check_finite``, :func:`kill_point` after each optimizer step
-in ``CheckpointManager.step_done``) do nothing unless that one variable is set. Its value is
+in ``CheckpointManager.step_done``, :func:`save_point` between step 3's final saves) do nothing unless that one variable is set. Its value is
 parsed once (per distinct value); a malformed one raises :class:`UserInputError` naming the
 variable rather than being ignored. The empty string counts as unset.
 
@@ -31,7 +34,7 @@ from typing import Optional, Tuple
 from utils.errors import UserInputError
 
 ENV = "DSCHAT_FAULT_INJECT"
-KINDS = ("nan", "kill", "interrupt")
+KINDS = ("nan", "kill", "interrupt", "killsave")
 _SIGNALS = {"kill": signal.SIGKILL, "interrupt": signal.SIGINT}
 _FORM = re.compile(r"(?P<kind>\w+)@(?P<step>\d+)")
 
@@ -71,3 +74,11 @@ def kill_point(step: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), _SIGNALS[found[0]])
+
+
+def save_point(saved: int) -> None:
+    """SIGKILL this process (``killsave@N``) once ``saved`` == N model folders of a final save are written."""
+    if fault() == ("killsave", saved):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -359,6 +359,8 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
     check_output_dir_writable(getattr(args, "output_dir", None))
     if data and getattr(args, "data_output_path", None):
         check_output_dir_writable(args.data_output_path, "--data_output_path")
+    if getattr(args, "enable_tensorboard", False):
+        check_output_dir_writable(args.tensorboard_path, "--tensorboard_path")
     check_output_is_not_an_input(getattr(args, "output_dir", None), {**dict(causal_lms), **dict(reward_models)})
     if length is None and getattr(args, "max_seq_len", None):
         length = (args.max_seq_len, "--max_seq_len")
