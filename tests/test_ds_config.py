@@ -138,3 +138,51 @@ def test_mixed_precision_lora_spans_hpz_over_one_node_only_on_several_nodes():
     assert two_nodes["zero_hpz_partition_size"] == 8
     plain = ds_utils.get_train_ds_config(False, "bf16", 3, world_size=16, devices_per_node=8)["zero_optimization"]
     assert "zero_hpz_partition_size" not in plain and "zero_quantized_nontrainable_weights" not in plain
+
+
+SKIPPED_ALLREDUCE = r"""
+import os, sys, torch
+from types import SimpleNamespace
+from transformers import AutoModelForCausalLM
+from utils.distributed import init_distributed
+from utils.ds_utils import get_train_ds_config
+from utils.training import OptimConfig, make_engine
+from utils.model.model_utils import create_hf_model, load_hf_tokenizer
+
+init_distributed(SimpleNamespace(local_rank=-1))
+tokenizer = load_hf_tokenizer("tiny-opt")
+weights = []
+for skip in (True, False):
+    torch.manual_seed(0)
+    model = create_hf_model(AutoModelForCausalLM, "tiny-opt", tokenizer, dropout=0.0)
+    config = get_train_ds_config(offload=False, dtype="fp32", stage=int(sys.argv[1]))
+    config.update(train_micro_batch_size_per_gpu=4, train_batch_size=4, gradient_clipping=1.0)
+    engine = make_engine(model, config, OptimConfig(1e-2, 0.0, 1e-2, False, "constant", 0), total_steps=3)
+    print("skipped" if not engine.enable_backward_allreduce else "allreduce")
+    if sys.argv[1] == "0":
+        engine.enable_backward_allreduce = not skip  # the second run: DeepSpeed's own all-reduce
+    torch.manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(4, 200, (4, 12))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    weights.append([p.detach().clone() for p in engine.module.parameters()])
+print("equal" if all(torch.equal(a, b) for a, b in zip(*weights)) else "DIFFERENT")
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_one_rank_stage_0_skips_the_identity_gradient_allreduce_bit_identically(stage):
+    """One rank, ZeRO 0: DeepSpeed's gradient all-reduce copies every gradient into one flat buffer and back to
+    average over a single rank; make_engine turns it off (a transient copy of all gradients less) and the trained
+    weights are bit-identical to a run with it on. ZeRO 1 keeps DeepSpeed's own path."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", SKIPPED_ALLREDUCE, str(stage)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line in ("skipped", "allreduce", "equal", "DIFFERENT")]
+    assert lines == (["skipped", "skipped", "equal"] if stage == 0 else ["allreduce", "allreduce", "equal"])

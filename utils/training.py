@@ -172,6 +172,15 @@ class OptimConfig:
                    lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps)
 
 
+def skips_identity_allreduce(engine) -> bool:
+    """Whether ``engine``'s gradient all-reduce is an identity we can skip: one data-parallel rank, ZeRO stage 0,
+    no bf16 optimizer wrapper. DeepSpeed still runs it there, flattening every gradient into one new buffer and
+    copying it back (a transient copy of all gradients, 200 MB for a 50 M-parameter model, and its time): averaging
+    over one rank changes nothing, so skipping it leaves every result bit-identical."""
+    return (engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled()
+            and not getattr(engine, "has_moe_layers", False))
+
+
 def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_steps: int = 0,
                 gradient_checkpointing: bool = False):
     """``deepspeed.initialize`` of ``model``; with ``optim``, a trained engine (AdamW groups of
@@ -192,6 +201,8 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
                                       config=ds_config, dist_init_required=True)
     if optim is None:
         engine.eval()
+    elif skips_identity_allreduce(engine):
+        engine.enable_backward_allreduce = False
     if gradient_checkpointing:
         enable_activation_checkpointing(engine.module)
     return engine
