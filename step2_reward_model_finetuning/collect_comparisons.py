@@ -19,7 +19,7 @@ import math
 import os
 import time
 
-from utils.arguments import HelpFormatter, add_trust_remote_code_arg
+from utils.arguments import HelpFormatter, add_trust_remote_code_arg, seed_int
 from utils.data.comparisons import ranked_pairs, summarize
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off).")
     p.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off).")
     p.add_argument("--batch_size", type=int, default=64, help="Prompts generated together.")
-    p.add_argument("--seed", type=int, default=1234, help="Seed of the split and of the sampling.")
+    p.add_argument("--seed", type=seed_int, default=1234, help="Seed of the split and of the sampling.")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
     p.add_argument("--output_dir", required=True, help="Where train.jsonl, eval.jsonl and comparisons.json go.")
     p.add_argument("--overwrite", action="store_true", help="Replace the comparisons an earlier run wrote there.")

@@ -265,6 +265,9 @@ def validate_step3(args) -> None:
     for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             raise UserInputError(f"--{name} must be a finite number ≥ 0, got {getattr(args, name)}")
+    for name in ("gamma", "lam"):  # a discount and GAE's λ weigh future terms: above 1 the returns blow up
+        if getattr(args, name) > 1:
+            raise UserInputError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
     validate_rl(args)
 
 

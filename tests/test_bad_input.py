@@ -421,14 +421,29 @@ def test_common_flag_checks(field, value, message):
     (["--actor_weight_decay", "-0.1"], "--actor_weight_decay must be a finite number ≥ 0"),
     (["--critic_dropout", "2"], r"--critic_dropout must be in \[0, 1\)"),
     (["--max_steps", "-1"], "--max_steps must be ≥ 0"),
+    (["--gamma", "2"], "--gamma must be between 0 and 1, got 2.0"),
+    (["--lam", "1.5"], "--lam must be between 0 and 1, got 1.5"),
+    (["--kl_ctl", "-1"], "--kl_ctl must be a finite number ≥ 0, got -1.0"),
 ])
 def test_step3_role_flags_are_checked_like_the_common_ones(flags, message):
+    """Step 3's own flags, and its RL coefficients, are refused in one line before any set-up."""
     from step3_rlhf_finetuning.main import parse_args, validate_step3
 
     base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
     validate_step3(parse_args(base))
     with pytest.raises(UserInputError, match=message):
         validate_step3(parse_args(base + flags))
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
+def test_a_seed_numpy_refuses_is_an_argparse_error_not_a_traceback(seed, capsys):
+    """numpy raised "Seed must be between 0 and 2**32 - 1" from inside set_random_seed, after set-up."""
+    from step1_supervised_finetuning.main import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--seed", seed])
+    assert exit_info.value.code == 2
+    assert f"argument --seed: must be between 0 and 2**32 - 1, got {seed}" in capsys.readouterr().err
 
 
 def test_step3_progress_bar_counts_the_batches_max_steps_lets_run():

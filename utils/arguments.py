@@ -106,7 +106,7 @@ def add_run_args(group, unit: str = "optimizer steps", output: str = "the model"
                        help="Learning-rate schedule.")
     group.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
     group.add_argument("--output_dir", type=str, default=None, help=f"Where {output} is saved.")
-    group.add_argument("--seed", type=int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
+    group.add_argument("--seed", type=seed_int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
     group.add_argument("--compute_fp32_loss", action="store_true",
                        help="Accepted for DeepSpeed-Chat's scripts; no effect: every loss is computed in fp32 "
                             "(logits are upcast, as in transformers 5's own loss, which DeepSpeed-Chat's steps use).")
@@ -172,6 +172,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed numpy and torch accept, 0 … 2**32 − 1."""
+    value = int(text)
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**32 - 1, got {value}")
     return value
 
 
