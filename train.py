@@ -202,7 +202,13 @@ def cpu_ranks(text: str) -> int:
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("step1_args", "step2_args", "step3_args", "collect_args"):
+        try:
+            shlex.split(getattr(args, name))
+        except ValueError as e:  # e.g. "No closing quotation"
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {e}")
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
     args.hostfile = os.path.abspath(args.hostfile)  # the steps run in the repository folder
@@ -466,6 +472,53 @@ def check_inputs(args, plan: list) -> None:
             raise PlanError(f"step {launch.step.number}: {main_py} is missing from this checkout")
 
 
+STEP_MODULES = {1: "step1_supervised_finetuning.main", 2: "step2_reward_model_finetuning.main",
+                3: "step3_rlhf_finetuning.main"}
+
+
+def step_argv(args, launch: Launch) -> list:
+    """The flags ``launch``'s script parses: its command after the script (a per-size script's own flags are not
+    known here: train.py's flags and the extra ones stand in for them)."""
+    if launch.step is COLLECT:
+        return launch.cmd[2:]
+    n = launch.step.number
+    return step_flags(args, n) + extra_flags(args, n)
+
+
+def check_step_flags(args, plan: list) -> None:
+    """Each step's flags are parsed by that step's own parser before anything runs, so an unknown flag or a bad
+    value in ``--step3-args`` is refused now rather than after steps 1 and 2 have trained (minutes here, hours on
+    real models); so are a ``--label-fn`` or step 3 ``--reward_fn`` file that does not exist or lacks the function."""
+    import contextlib
+    import importlib
+    import io
+
+    from utils.reward_functions import load_reward_fn
+
+    for launch in plan:
+        module = (COLLECT.folder + "." + COLLECT.script[:-3]) if launch.step is COLLECT \
+            else STEP_MODULES[launch.step.number]
+        which = "--collect-args" if launch.step is COLLECT else f"--step{launch.step.number}-args"
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                parsed = importlib.import_module(module).parse_args([str(a) for a in step_argv(args, launch)])
+        except SystemExit as e:
+            if not e.code:
+                raise
+            said = [line.split("error: ", 1)[1] for line in errors.getvalue().splitlines() if "error: " in line]
+            raise PlanError(f"step {launch.step.number} ({launch.step.title}) would refuse its flags: "
+                            f"{said[-1] if said else errors.getvalue().strip()} (check {which}); nothing was run")
+        for flag in ("label_fn", "reward_fn"):
+            spec = getattr(parsed, flag, None)
+            if spec:
+                named = "--label-fn" if flag == "label_fn" else f"--{flag} (in {which})"
+                try:
+                    load_reward_fn(spec, flag=named)
+                except UserInputError as e:
+                    raise PlanError(f"{e}; nothing was run") from None
+
+
 # --------------------------------------------------------------------------- running
 
 def run_logged(cmd: list, log_path: str | None, env: dict) -> int:
@@ -653,6 +706,7 @@ def main(args) -> int:
         check_output_dir_writable(args.output_dir, "--output-dir")
         lock_output_dir(args.output_dir)  # two train.py runs on one --output-dir would mix their logs
         check_inputs(args, plan)
+        check_step_flags(args, plan)
     except (PlanError, UserInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

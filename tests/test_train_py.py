@@ -316,3 +316,41 @@ def test_train_py_runs_outside_the_repo_directory(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "train.py"), "--dry-run", "--step", "1", "--output-dir", "o"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and str(tmp_path / "o" / "actor-models" / "tiny-opt") in res.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--step3-args", "--nonsense 3"],
+     "error: step 3 (RLHF with PPO) would refuse its flags: unrecognized arguments: --nonsense 3 (check --step3-args)"),
+    (["--step2-args", "--learning_rate abc"],
+     "error: step 2 (reward model) would refuse its flags: argument --learning_rate: invalid float value: 'abc'"),
+    (["--collect-args", "--num_answers x"], "error: step 2 (comparisons of the step-1 actor's answers) would refuse "
+                                            "its flags: argument --num_answers: invalid int value: 'x'"),
+    (["--label-fn", "{tmp}/nope.py:f"], "error: --label-fn {tmp}/nope.py:f: no such file {tmp}/nope.py"),
+    (["--step3-args", "--advantage_estimator grpo --n_samples_per_prompt 2 --reward_fn {tmp}/labels.py:missing"],
+     "error: --reward_fn (in --step3-args) {tmp}/labels.py:missing: {tmp}/labels.py defines no 'missing'"),
+])
+def test_a_later_steps_bad_flags_are_refused_before_step_1_runs(tmp_path, monkeypatch, capsys, extra, message):
+    """Issue 25: a typo in --step3-args used to surface only after steps 1 and 2 had trained (minutes on the
+    demo, hours on real models); every planned step's flags now go through that step's own parser first."""
+    (tmp_path / "labels.py").write_text("def score(prompts, answers, rows):\n    return [0.0] * len(answers)\n")
+    monkeypatch.setattr(train, "run_step", lambda *a, **k: pytest.fail("a step was launched"))
+    argv = ["--demo", "--output-dir", str(tmp_path / "out"), *[a.format(tmp=tmp_path) for a in extra]]
+    assert train.main(train.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and err.strip().endswith("nothing was run"), err
+    assert not (tmp_path / "out" / "actor-models").exists()
+
+
+def test_an_unbalanced_quote_in_a_step_args_string_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--step1-args", "--data_path 'my data"])
+    assert exit_info.value.code == 2
+    assert "error: --step1-args \"--data_path 'my data\": No closing quotation" in capsys.readouterr().err
+
+
+def test_the_demos_own_flags_pass_every_steps_parser(tmp_path):
+    """The check above must not refuse a good plan: the demo's, and DeepSpeed-Chat's OPT plan."""
+    for argv in (["--demo"], ["--demo", "--step3-args", "--advantage_estimator rloo --n_samples_per_prompt 4 "
+                                                         "--reward_fn builtin_rule"], []):
+        args = train.parse_args([*argv, "--output-dir", str(tmp_path / "out")])
+        train.check_step_flags(args, train.make_plan(args, 0))

@@ -16,9 +16,10 @@ not of mocks, so the fault has to happen inside a real step's process, at a know
   (tests/test_resume.py).
 
 The hooks (:func:`nan_at` in ``check_finite``, :func:`kill_point` after each optimizer step
-in ``CheckpointManager.step_done``, :func:`save_point` between step 3's final saves) do nothing unless that one variable is set. Its value is
-parsed once (per distinct value); a malformed one raises :class:`UserInputError` naming the
-variable rather than being ignored. The empty string counts as unset.
+in ``CheckpointManager.step_done``, :func:`save_point` between step 3's final saves) do nothing
+unless that one variable is set. Its value is parsed once (per distinct value); a malformed one
+raises :class:`UserInputError` naming the variable rather than being ignored. The empty string
+counts as unset.
 
 Pure module: standard library only.
 """
