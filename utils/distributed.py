@@ -101,7 +101,9 @@ def init_distributed(args) -> torch.device:
     args.local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", 0), 0)))
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
-        if args.local_rank == 0:  # DeepSpeed builds its shared-memory op now: a killed build must not hang us
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            skip_shm_op()
+        elif args.local_rank == 0:  # DeepSpeed builds its shared-memory op now: a killed build must not hang us
             clear_stale_extension_locks()
         deepspeed.init_distributed(dist_backend="gloo")
         atexit.register(_remove_shm_buffer)
@@ -112,6 +114,19 @@ def init_distributed(args) -> torch.device:
         device = torch.device(accelerator.device_name(args.local_rank))
     args.global_rank = torch.distributed.get_rank()
     return device
+
+
+def skip_shm_op() -> None:
+    """One CPU process: tell DeepSpeed its shared-memory all-reduce op is unavailable, so it neither JIT-compiles
+    it (1-2 min on a fresh machine) nor loads it (and its all-reduce buffer) for a group with nobody to reduce
+    with; a collective on one rank is an identity either way, and DeepSpeed falls back to torch.distributed."""
+    import deepspeed.ops
+
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def _remove_shm_buffer() -> None:
