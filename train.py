@@ -472,10 +472,6 @@ def check_inputs(args, plan: list) -> None:
             raise PlanError(f"step {launch.step.number}: {main_py} is missing from this checkout")
 
 
-STEP_MODULES = {1: "step1_supervised_finetuning.main", 2: "step2_reward_model_finetuning.main",
-                3: "step3_rlhf_finetuning.main"}
-
-
 def step_argv(args, launch: Launch) -> list:
     """The flags ``launch``'s script parses: its command after the script (a per-size script's own flags are not
     known here: train.py's flags and the extra ones stand in for them)."""
@@ -496,8 +492,7 @@ def check_step_flags(args, plan: list) -> None:
     from utils.reward_functions import load_reward_fn
 
     for launch in plan:
-        module = (COLLECT.folder + "." + COLLECT.script[:-3]) if launch.step is COLLECT \
-            else STEP_MODULES[launch.step.number]
+        module = f"{launch.step.folder}.{launch.step.script.removesuffix('.py')}"
         which = "--collect-args" if launch.step is COLLECT else f"--step{launch.step.number}-args"
         errors = io.StringIO()
         try:
