@@ -486,18 +486,21 @@ def save_models(args, engine, tokenizer, log) -> None:
     """``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``, then ``actor/`` under ``--output_dir``: the actor
     last, because a folder with ``actor/`` counts as a finished run (a kill between two saves leaves one that
     resumes, not one refused as finished)."""
-    saved = (["critic/"] if engine.critic else []) + (["actor_ema/"] if engine.actor_ema else []) + ["actor/"]
-    check_weights_finite("the step-3 models", engine.actor, engine.critic, engine.actor_ema)  # all or nothing
-    log.info(f"saving {', '.join(saved)} to {args.output_dir}")
     trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
+    saves = []  # (folder, how to save it there), in saving order
     if engine.critic is not None:
-        save_reward_model(engine.critic, tokenizer, os.path.join(args.output_dir, "critic"), args.critic_zero_stage)
-        fault_injection.save_point(1)  # test hook: a kill here must leave a folder that resumes
+        saves.append(("critic", lambda path: save_reward_model(engine.critic, tokenizer, path,
+                                                                args.critic_zero_stage)))
     if engine.actor_ema is not None:
-        save_hf_format(engine.actor_ema, tokenizer, os.path.join(args.output_dir, "actor_ema"),
-                       args.actor_zero_stage, trained_in)
-        fault_injection.save_point(len(saved) - 1)
-    save_hf_format(engine.actor, tokenizer, os.path.join(args.output_dir, "actor"), args.actor_zero_stage, trained_in)
+        saves.append(("actor_ema", lambda path: save_hf_format(engine.actor_ema, tokenizer, path,
+                                                                args.actor_zero_stage, trained_in)))
+    saves.append(("actor", lambda path: save_hf_format(engine.actor, tokenizer, path, args.actor_zero_stage,
+                                                        trained_in)))
+    check_weights_finite("the step-3 models", engine.actor, engine.critic, engine.actor_ema)  # all or nothing
+    log.info(f"saving {', '.join(f'{name}/' for name, _ in saves)} to {args.output_dir}")
+    for count, (name, save) in enumerate(saves, start=1):
+        save(os.path.join(args.output_dir, name))
+        fault_injection.save_point(count)  # test hook: a kill between saves must leave a folder that resumes
 
 
 def main(args):

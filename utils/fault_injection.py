@@ -72,14 +72,17 @@ def kill_point(step: int) -> None:
     """SIGKILL (``kill@N``) or SIGINT (``interrupt@N``) this process after optimizer step ``step``."""
     found = fault()
     if found is not None and found[0] in _SIGNALS and found[1] == step:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), _SIGNALS[found[0]])
+        _signal_self(_SIGNALS[found[0]])
 
 
 def save_point(saved: int) -> None:
     """SIGKILL this process (``killsave@N``) once ``saved`` == N model folders of a final save are written."""
     if fault() == ("killsave", saved):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        _signal_self(signal.SIGKILL)
+
+
+def _signal_self(sig: int) -> None:
+    """Send ``sig`` to this process, after flushing what it printed (the tests read it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), sig)

@@ -26,16 +26,22 @@ def aside_folder(out_dir: str) -> str:
     return os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replaced")
 
 
+def _remove(path: str) -> None:
+    """Delete a folder (its tree, not a symlink's target) or a file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
 def _put_back(aside: str, out_dir: str) -> List[str]:
     """Move every entry of ``aside`` into ``out_dir`` (replacing an entry of the same name), remove ``aside``."""
     moved = []
     os.makedirs(out_dir, exist_ok=True)
     for name in sorted(os.listdir(aside)):
         dest = os.path.join(out_dir, name)
-        if os.path.isdir(dest) and not os.path.islink(dest):
-            shutil.rmtree(dest)
-        elif os.path.lexists(dest):
-            os.remove(dest)
+        if os.path.lexists(dest):
+            _remove(dest)
         os.replace(os.path.join(aside, name), dest)
         moved.append(name)
     shutil.rmtree(aside, ignore_errors=True)
@@ -84,9 +90,8 @@ def restore() -> None:
         _PENDING.clear()
         try:
             for name in os.listdir(out) if os.path.isdir(out) else ():  # what the failed run wrote
-                path = os.path.join(out, name)
                 if name not in keep:
-                    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+                    _remove(os.path.join(out, name))
             moved = _put_back(aside, out)
         except OSError as e:  # say where they are rather than lose them
             log(f"--overwrite: could not put the earlier run's files back into {out} ({e}); they are in {aside}")
