@@ -3,6 +3,7 @@ save / rotate / fall back / refuse, the kill hook and the NaN guard's fault hook
 
 Engines are stand-ins with DeepSpeed's ``save_checkpoint`` / ``load_checkpoint``
 signature; the real engines are exercised end to end in tests/test_resume.py."""
+import ast
 import errno
 import os
 import random
@@ -377,7 +378,6 @@ def test_weights_holding_nan_or_inf_are_never_saved(tmp_path):
 
 def _repo_calls(attr):
     """(file, line, call) for every ``<something>.<attr>(...)`` call in the repository's own code."""
-    import ast
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
@@ -391,7 +391,7 @@ def _repo_calls(attr):
 
 def test_every_torch_load_refuses_arbitrary_pickles():
     calls = [(f, line, c) for f, line, c in _repo_calls("load")
-             if isinstance(c.func.value, __import__("ast").Name) and c.func.value.id == "torch"]
+             if isinstance(c.func.value, ast.Name) and c.func.value.id == "torch"]
     assert len(calls) >= 4
     unsafe = [(f, line) for f, line, c in calls
               if not any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in c.keywords)]

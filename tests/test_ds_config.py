@@ -1,4 +1,6 @@
 """DeepSpeed configs and optimizer groups (utils/ds_utils.py), against the reference's fields."""
+import os
+
 import pytest
 import torch
 
@@ -182,7 +184,7 @@ def test_one_rank_stage_0_skips_the_identity_gradient_allreduce_bit_identically(
     from tests.conftest import REPO
 
     proc = subprocess.run([sys.executable, "-c", SKIPPED_ALLREDUCE, str(stage)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line in ("skipped", "allreduce", "equal", "DIFFERENT")]
     assert lines == (["skipped", "skipped", "equal"] if stage == 0 else ["allreduce", "allreduce", "equal"])
