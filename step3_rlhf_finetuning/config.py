@@ -153,6 +153,7 @@ class EngineConfig:
     offload: bool = False
     only_optimize_lora: bool = False
     enable_ema: bool = False
+    reference: bool = True  # the frozen step-1 copy for the KL term; not built with --kl_ctl 0
     num_padding_at_beginning: int = 1
     trust_remote_code: bool = False
     tensorboard_path: str | None = None  # DeepSpeed's own tensorboard logs (--enable_tensorboard)
@@ -204,7 +205,7 @@ class Step3Config:
             actor=role("actor", args.offload_reference_model, actor_accum), critic=critic,
             reward_model=reward_model, dtype=dtype, micro_batch=args.per_device_training_batch_size,
             max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len, offload=args.offload,
-            only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema,
+            only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema, reference=args.kl_ctl > 0,
             num_padding_at_beginning=args.num_padding_at_beginning, trust_remote_code=args.trust_remote_code,
             tensorboard_path=args.tensorboard_path if args.enable_tensorboard else None,
             hybrid=HybridEngineConfig(enabled=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,

@@ -32,8 +32,8 @@ import torch
 
 from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, ESTIMATOR_ALIASES, ESTIMATORS, GROUP_ESTIMATORS,
                                           GenerationConfig, PPOConfig, RewardConfig, Step3Config, field_defaults)
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches, reward_ema,
-                                               summarize_rollout)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches,
+                                               old_logprobs_from_training_pass, reward_ema, summarize_rollout)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
                              add_num_padding_arg, add_offload_reference_arg, add_only_optimize_lora_arg,
@@ -51,7 +51,7 @@ from utils import fault_injection
 from utils.finite import check_finite, check_weights_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
-from utils.model.model_utils import save_hf_format
+from utils.model.model_utils import has_dropout, save_hf_format
 from utils.perf import count_parameters, model_shape, step3_throughput, throughput_due, throughput_lines
 from utils.preflight import preflight
 from utils.reward_functions import BUILTIN as BUILTIN_REWARD_FNS
@@ -271,6 +271,12 @@ def validate_step3(args) -> None:
     validate_rl(args)
 
 
+def micro_batches_per_round(args) -> int:
+    """Micro-batches of the RL update in one round, on each rank."""
+    answers = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
+    return math.ceil(answers / args.per_device_training_batch_size)
+
+
 def create_datasets(args, tokenizer, log):
     """(prompt dataset, prompt loader, unsupervised loader or None, RL steps, total optimizer steps per model)."""
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
@@ -300,8 +306,8 @@ def create_datasets(args, tokenizer, log):
     rl_steps = args.num_train_epochs * steps_per_epoch
     if args.max_steps:
         rl_steps = min(rl_steps, args.max_steps)
-    micro_batches = math.ceil(answers_per_batch * args.generation_batches / args.per_device_training_batch_size)
-    total_iters = max(1, math.ceil(rl_steps * micro_batches * args.ppo_epochs / args.gradient_accumulation_steps))
+    total_iters = max(1, math.ceil(rl_steps * micro_batches_per_round(args) * args.ppo_epochs
+                                  / args.gradient_accumulation_steps))
     return prompts, prompt_loader, unsup_loader, rl_steps, total_iters
 
 
@@ -312,8 +318,10 @@ def epoch_batches(batches: int, args, rl_step: int) -> int:
     return batches
 
 
-def parameter_checksum(engine, zero_stage: int) -> float:
-    """Σ|θ| + Σθ² over a model's parameters (float64; ZeRO-3 partitions summed across ranks)."""
+def parameter_checksum(engine, zero_stage: int) -> float | None:
+    """Σ|θ| + Σθ² over a model's parameters (float64; ZeRO-3 partitions summed across ranks); None without one."""
+    if engine is None:
+        return None
     total = torch.zeros((), dtype=torch.float64)
     for p in engine.module.parameters():
         data = p.ds_tensor if zero_stage == 3 and hasattr(p, "ds_tensor") else p
@@ -349,16 +357,17 @@ def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch:
 
 
 def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
-    """Rank-averaged step metrics: reward, KL (k3) and answer length over the kept answers of every rank, and
-    the mean of each loss."""
+    """Rank-averaged step metrics: reward, answer length and (with a reference model) KL (k3) over the kept
+    answers of every rank, and the mean of each loss."""
     sums = summarize_rollout(rollout)
+    names = [k for k in ("kept", "reward_sum", "answer_len_sum", "kl_sum") if k in sums]
     loss_names = sorted(name for name in losses if name.endswith("_loss"))
-    values = torch.stack([sums[k].double().cpu() for k in ("kept", "reward_sum", "kl_sum", "answer_len_sum")]
+    values = torch.stack([sums[k].double().cpu() for k in names]
                          + [torch.tensor(float(losses[n]), dtype=torch.float64) for n in loss_names])
-    mean = get_all_reduce_mean(values.to(rollout.input_ids.device)).cpu().tolist()
-    kept = max(mean[0], 1e-12)
-    metrics = {"reward": mean[1] / kept, "kl": mean[2] / kept, "answer_len": mean[3] / kept}
-    metrics.update(zip(loss_names, mean[4:]))
+    mean = dict(zip(names + loss_names, get_all_reduce_mean(values.to(rollout.input_ids.device)).cpu().tolist()))
+    kept = max(mean.pop("kept"), 1e-12)
+    metrics = {key[:-len("_sum")]: mean.pop(key) / kept for key in names[1:]}
+    metrics.update(mean)
     return metrics
 
 
@@ -382,9 +391,10 @@ def step_line(epoch: int, step: int, metrics: dict) -> str:
     for key, label in (("critic_loss", "Critic Loss"), ("kl_loss", "KL Loss"), ("unsup_loss", "Unsupervised Loss")):
         if key in metrics:
             parts.append(f"{label}: {metrics[key]:.4f}")
-    parts += [f"Average reward: {metrics['reward']:.4f}", f"EMA reward: {metrics['ema_reward']:.4f}",
-              f"KL: {metrics['kl']:.4f}", f"answer length: {metrics['answer_len']:.1f}",
-              f"dropped: {metrics['dropped']:.0f}"]
+    parts += [f"Average reward: {metrics['reward']:.4f}", f"EMA reward: {metrics['ema_reward']:.4f}"]
+    if "kl" in metrics:
+        parts.append(f"KL: {metrics['kl']:.4f}")
+    parts += [f"answer length: {metrics['answer_len']:.1f}", f"dropped: {metrics['dropped']:.0f}"]
     return " | ".join(parts)
 
 
@@ -434,8 +444,8 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
     """All-reduce, check, log (console, tensorboard, metrics.jsonl) and record one RL step's metrics."""
     args, engine = context["args"], context["engine"]
     metrics = all_reduce_metrics(rollout, losses)
-    check_finite(progress.rl_step, **{k: metrics[k] for k in sorted(metrics) if k.endswith("_loss")},
-                 average_reward=metrics["reward"], kl=metrics["kl"])
+    check_finite(progress.rl_step, **{k: metrics[k] for k in sorted(metrics) if k.endswith("_loss") or k == "kl"},
+                 average_reward=metrics["reward"])
     progress.ema_reward = reward_ema(progress.ema_reward, metrics["reward"])
     metrics.update(ema_reward=progress.ema_reward, dropped=progress.dropped_total - progress.dropped_logged,
                    dropped_total=progress.dropped_total)
@@ -444,7 +454,7 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
     perf = step3_throughput(
         engine.actor.module.config, engine.critic.module.config if engine.critic else None,
         experience_time=info["experience"], generate_time=info["generate"], train_time=train_time,
-        sequences=info["sequences"], seq_length=args.max_prompt_seq_len + args.max_answer_seq_len,
+        sequences=info["sequences"], seq_length=rollout.input_ids.shape[1],
         answer_length=args.max_answer_seq_len, generated_tokens=info["generated_tokens"] // args.generation_batches,
         actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
         world_size=get_world_size(), **context["perf_constants"])
@@ -461,8 +471,9 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
     return metrics
 
 
-def summarize_run(log, progress: Progress, ref_unchanged: bool) -> dict:
-    """The run's result (returned by :func:`main`, logged under ``final``): steps, reward first → last, KL."""
+def summarize_run(log, progress: Progress, ref_unchanged: bool | None) -> dict:
+    """The run's result (returned by :func:`main`, logged under ``final``): steps, reward first → last, KL (with a
+    reference model; ``ref_unchanged`` None without one)."""
     history = progress.history
     result = {"steps": progress.rl_step, "dropped_total": progress.dropped_total, "ref_unchanged": ref_unchanged}
     if history:
@@ -470,14 +481,17 @@ def summarize_run(log, progress: Progress, ref_unchanged: bool) -> dict:
         n = head_tail_window(len(history))  # the summary's rule: one reward pair in the log and the summary
         head, tail = (sum(m["reward"] for m in part) / n for part in (history[:n], history[-n:]))
         log.info(f"average reward: mean of the first {n} steps {head:.4f} -> of the last {n} steps {tail:.4f}")
-        log.info(f"mean KL to the reference at the last step (k3 estimate): {last['kl']:.4f}; reference model "
-                 f"unchanged: {ref_unchanged}")
+        if "kl" in last:
+            log.info(f"mean KL to the reference at the last step (k3 estimate): {last['kl']:.4f}; reference model "
+                     f"unchanged: {ref_unchanged}")
+            result["kl_end"] = last["kl"]
         result.update(reward_start=first["reward"], reward_end=last["reward"], reward_ema=last["ema_reward"],
-                      reward_start_mean=head, reward_end_mean=tail, kl_end=last["kl"],
+                      reward_start_mean=head, reward_end_mean=tail,
                       **{k: last[k] for k in ("actor_loss", "critic_loss", "kl_loss", "unsup_loss") if k in last})
     else:
         log.warning("no RL step ran (every generated answer was dropped); the models are unchanged")
-    log.scalars(progress.rl_step, "final", ref_unchanged=float(ref_unchanged), dropped_total=progress.dropped_total,
+    log.scalars(progress.rl_step, "final", ref_unchanged=None if ref_unchanged is None else float(ref_unchanged),
+                dropped_total=progress.dropped_total,
                 **{k: result.get(k) for k in ("reward_start", "reward_end", "reward_start_mean", "reward_end_mean")})
     return result
 
@@ -525,7 +539,9 @@ def main(args):
     if args.reward_fn:
         check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
-    trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn)
+    on_policy = old_logprobs_from_training_pass(config.ppo, micro_batches_per_round(args), config.engine.actor.grad_accum,
+                                                has_dropout(engine.actor.module))
+    trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn, on_policy)
     ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
     context = {"args": args, "engine": engine, "rl_steps": rl_steps,
                "perf_constants": throughput_constants(config.engine, engine)}
@@ -571,7 +587,8 @@ def main(args):
         ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
 
     # ---- summary and save
-    ref_unchanged = parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
+    ref_unchanged = None if engine.ref is None else \
+        parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = summarize_run(log, progress, ref_unchanged)
     if args.output_dir is not None:
         save_models(args, engine, tokenizer, log)

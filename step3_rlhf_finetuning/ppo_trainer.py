@@ -2,16 +2,22 @@
 
 One round of step 3 is four calls, each on the whole round's :class:`Rollout`::
 
-    rollout = trainer.generate(prompts, mask, prompt_text, rows)   # answers, log π_old, log π_ref (, V_old)
+    rollout = trainer.generate(prompts, mask, prompt_text, rows)   # answers, log π_ref (, log π_old, V_old)
     rollout.scores = trainer.score(rollout)                       # reward model and/or reward function
     trainer.compute_advantages(rollout)                            # --advantage_estimator, groups intact
     losses = trainer.train_step(micro) for micro in rollout.micro_batches(...)   # actor (+ critic for gae)
 
 All math comes from :mod:`utils.rl_math`; this module only moves tensors between the models.
 Shapes: ``B`` answers (``--n_samples_per_prompt`` G per prompt, next to each other), prompt
-length ``P`` (left padded), answer length ``A`` (``--max_answer_seq_len``), ``T = P + A``;
-per-action tensors have ``T − 1`` columns (action ``t`` emits token ``t + 1``; the first answer
-action is ``start = P − 1``). Masks: 1 = counts.
+length ``P`` (left padded to the batch's longest prompt, a multiple of 8), answer length ``A`` (the
+longest answer generated, ≤ ``--max_answer_seq_len``), ``T = P + A``. Per-action tensors have ``A``
+columns, one per answer token: action ``j`` emits answer token ``j`` (from sequence position
+``P − 1 + j``); prompt positions have none. Masks: 1 = counts.
+
+Nothing is computed that is thrown away: the log-probs come from the LM head at the answer positions only
+and the G answers to a prompt run their prompt once (:mod:`utils.model.answer_logprobs`); when the update is
+provably on-policy the old log-probs are the training pass's own (:func:`old_logprobs_from_training_pass`);
+without a KL term (``--kl_ctl 0``) there is no reference model.
 
 Dropped answers (≤ 1 real token) stay in the rollout with an all-zero action mask: they add
 nothing to any loss, statistic or group baseline, and every rank keeps the same number of
@@ -25,12 +31,13 @@ from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.model.answer_logprobs import answer_log_probs, can_share_prompt, position_ids
 from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, answer_action_mask, approx_kl, causal_lm_loss,
                            count_real_answer_tokens, critic_loss, discounted_returns, ema_update,
-                           gae_advantages_and_returns, gather_log_probs, kl_loss, kl_penalized_rewards,
-                           masked_whiten, sequence_action_mask)
+                           gae_advantages_and_returns, kl_loss, kl_penalized_rewards, masked_whiten)
 
 
 @dataclass
@@ -43,28 +50,29 @@ class Rollout:
     prompts            [B, P]     the left-padded prompts (each repeated G times)
     input_ids          [B, T]     prompt + answer, right padded with the pad id
     attention_mask     [B, T]     prompt mask from the collator + the answer up to its first end token
-    action_mask        [B, T−1]   1 for answer actions incl. the end token's; 0 for dropped rows
-    logprobs           [B, T−1]   log π_old(action) (actor without dropout, at generation time)
-    ref_logprobs       [B, T−1]   log π_ref(action)
+    action_mask        [B, A]     1 for answer actions incl. the end token's; 0 for dropped rows
+    logprobs           [B, A]     log π_old(action) (actor without dropout); on-policy: the training pass's
+    ref_logprobs       [B, A]     log π_ref(action); None without a reference model (``--kl_ctl 0``)
     valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
     answer_len         [B]        real answer tokens (before the first end token)
     prompt_text, rows  lists      each answer's prompt text and dataset row (reward functions)
     answers            list       the decoded answers (reward functions, --print_answers)
-    values             [B, T−1]   critic values V_old of the state before each action (gae only)
+    values             [B, A]     critic values V_old of the state before each action (gae only)
     scores             [B]        the answer's reward (:meth:`DeepSpeedPPOTrainer.score`)
-    advantages         [B, T−1]   per-action advantages (0 outside the action mask)
-    returns            [B, T−1]   GAE returns, the critic's targets (gae only)
+    advantages         [B, A]     per-action advantages (0 outside the action mask)
+    returns            [B, A]     GAE returns, the critic's targets (gae only)
     =================  =========  ================================================================
 
-    ``group_size`` G: rows ``g·G … g·G + G − 1`` answer the same prompt. ``info`` holds per-round counts and
-    timings (seconds; summed by :meth:`cat`): generate, experience, generated_tokens, sequences, dropped.
+    ``group_size`` G: rows ``g·G … g·G + G − 1`` answer the same prompt. ``pad_token_id`` fills the columns
+    that :meth:`cat` adds. ``info`` holds per-round counts and timings (seconds; summed by :meth:`cat`):
+    generate, experience, generated_tokens, sequences, dropped.
     """
     prompts: torch.Tensor
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     action_mask: torch.Tensor
     logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor]
     valid: torch.Tensor
     answer_len: torch.Tensor
     prompt_text: List[str] = field(default_factory=list)
@@ -75,33 +83,91 @@ class Rollout:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     group_size: int = 1
+    pad_token_id: int = 0
     info: dict = field(default_factory=dict)
 
     LISTS = ("prompt_text", "rows", "answers")
+    PER_ACTION = ("action_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns")
+    CONSTANTS = ("group_size", "pad_token_id", "info")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     @property
-    def start(self) -> int:
-        """The first answer action, ``P − 1``."""
-        return self.prompts.shape[1] - 1
+    def prompt_length(self) -> int:
+        """``P``."""
+        return self.prompts.shape[1]
+
+    @property
+    def answer_ids(self) -> torch.Tensor:
+        """``[B, A]`` the answers (right padded)."""
+        return self.input_ids[:, self.prompt_length:]
 
     def _batch_fields(self):
-        return [f.name for f in fields(self) if f.name not in ("group_size", "info")]
+        return [f.name for f in fields(self) if f.name not in self.CONSTANTS]
+
+    def _replace(self, **parts) -> "Rollout":
+        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info={})
+
+    def trimmed(self) -> "Rollout":
+        """The same rows without the prompt columns that are padding in every row and the answer columns
+        after every row's end: views, so the numbers computed on them are those of the full width."""
+        P, A = self.prompt_length, self.action_mask.shape[1]
+        prompt_real = self.attention_mask[:, :P].any(dim=0).nonzero()
+        answer_real = self.attention_mask[:, P:].any(dim=0).nonzero()
+        left = int(prompt_real[0]) if len(prompt_real) else P - 1
+        left = min(left, P - 1)  # keep one prompt column: its last position predicts the first answer token
+        right = int(answer_real[-1]) + 1 if len(answer_real) else A
+        if left == 0 and right == A:
+            return self
+        parts = {}
+        for name in self._batch_fields():
+            value = getattr(self, name)
+            if value is None or name in self.LISTS or value.dim() < 2:
+                parts[name] = value
+            elif name == "prompts":
+                parts[name] = value[:, left:]
+            elif name in ("input_ids", "attention_mask"):
+                parts[name] = value[:, left:P + right]
+            else:  # per action
+                parts[name] = value[:, :right]
+        return self._replace(**parts)
 
     def micro_batches(self, size: int) -> List["Rollout"]:
-        """Consecutive slices of ``size`` rows (the last may be shorter)."""
+        """Consecutive slices of ``size`` rows (the last may be shorter), each :meth:`trimmed` (views: writing into
+        a micro-batch's tensors writes into the rollout's)."""
         out = []
         for i in range(0, len(self), size):
             parts = {name: (value[i:i + size] if value is not None else None)
                      for name in self._batch_fields() for value in [getattr(self, name)]}
-            out.append(Rollout(**parts, group_size=self.group_size, info={}))
+            out.append(self._replace(**parts).trimmed())
         return out
+
+    def padded(self, prompt_length: int, answer_length: int) -> "Rollout":
+        """The same rollout with prompts left padded to ``prompt_length`` and answers (and per-action tensors) right
+        padded to ``answer_length`` columns (pad id; masks, log-probs, values and advantages 0)."""
+        left, right = prompt_length - self.prompt_length, answer_length - self.action_mask.shape[1]
+        if left == 0 and right == 0:
+            return self
+        parts = {}
+        for name in self._batch_fields():
+            value = getattr(self, name)
+            if value is None or name in self.LISTS or value.dim() < 2:
+                parts[name] = value
+                continue
+            fill = self.pad_token_id if name in ("prompts", "input_ids") else 0
+            pad = {"prompts": (left, 0), "input_ids": (left, right), "attention_mask": (left, right)}.get(
+                name, (0, right))
+            parts[name] = F.pad(value, pad, value=fill)
+        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info=dict(self.info))
 
     @classmethod
     def cat(cls, rollouts: List["Rollout"]) -> "Rollout":
-        """One rollout of several (same prompt and answer lengths, same fields filled); ``info`` summed."""
+        """One rollout of several (same fields filled): prompts left padded and answers right padded to the
+        longest; ``info`` summed."""
+        P = max(r.prompt_length for r in rollouts)
+        A = max(r.action_mask.shape[1] for r in rollouts)
+        rollouts = [r.padded(P, A) for r in rollouts]
         first = rollouts[0]
         parts = {}
         for name in first._batch_fields():
@@ -116,11 +182,11 @@ class Rollout:
         for r in rollouts:
             for key, value in r.info.items():
                 info[key] = info.get(key, 0) + value
-        return cls(**parts, group_size=first.group_size, info=info)
+        return cls(**parts, group_size=first.group_size, pad_token_id=first.pad_token_id, info=info)
 
     def state(self) -> dict:
         """Plain tensors, lists and numbers (a checkpoint loads it with ``weights_only=True``)."""
-        return {name: getattr(self, name) for name in self._batch_fields() + ["group_size", "info"]}
+        return {name: getattr(self, name) for name in self._batch_fields() + list(self.CONSTANTS)}
 
     @classmethod
     def from_state(cls, state: dict) -> "Rollout":
@@ -160,20 +226,30 @@ def deterministic(*modules):
             m.train(mode)
 
 
-def pad_to_length(seq: torch.Tensor, length: int, pad_token_id: int) -> torch.Tensor:
-    """Right-pad ``seq [B, T]`` with ``pad_token_id`` to ``[B, length]`` (``T ≤ length``)."""
-    if seq.shape[1] >= length:
-        return seq[:, :length]
-    pad = seq.new_full((seq.shape[0], length - seq.shape[1]), pad_token_id)
-    return torch.cat([seq, pad], dim=1)
+def old_logprobs_from_training_pass(ppo, micro_batches_per_round: int, grad_accum: int, dropout: bool) -> bool:
+    """Can log π_old be the training pass's own detached log-probs instead of a forward pass of its own?
+
+    Yes when the update is provably on-policy and nothing reads log π_old before training: one pass over the
+    round (``ppo_epochs`` 1) whose micro-batches all see the weights that generated it (the actor's optimizer
+    steps only at the round's end: ``grad_accum`` a multiple of its micro-batches), no dropout (the training
+    pass in train mode then equals the eval-mode pass), and no KL penalty in the reward (it needs log π_old at
+    advantage time). Then the ratio is exactly 1 and its gradient is the policy gradient, as TRL computes it.
+    """
+    kl_in_reward = ppo.kl_ctl > 0 and not ppo.use_kl_loss
+    return (ppo.ppo_epochs == 1 and grad_accum % max(micro_batches_per_round, 1) == 0 and not dropout
+            and not kl_in_reward)
 
 
 def summarize_rollout(rollout: Rollout) -> dict:
-    """Per-rank sums over kept answers for logging: count, reward, KL (k3: never negative) and answer length."""
+    """Per-rank sums over kept answers for logging: count, reward, answer length and (with a reference model)
+    KL (k3: never negative)."""
     valid = rollout.valid.float()
-    kl = approx_kl(rollout.logprobs, rollout.ref_logprobs, rollout.action_mask, "k3")
-    return {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
-            "kl_sum": (kl.float() * valid).sum(), "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
+    sums = {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
+            "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
+    if rollout.ref_logprobs is not None:
+        kl = approx_kl(rollout.logprobs, rollout.ref_logprobs, rollout.action_mask, "k3")
+        sums["kl_sum"] = (kl.float() * valid).sum()
+    return sums
 
 
 class DeepSpeedPPOTrainer:
@@ -186,7 +262,7 @@ class DeepSpeedPPOTrainer:
     ``--reward_fn`` (:func:`utils.reward_functions.load_reward_fn`).
     """
 
-    def __init__(self, rlhf_engine, ppo, generation, log=None, reward=None, reward_fn=None):
+    def __init__(self, rlhf_engine, ppo, generation, log=None, reward=None, reward_fn=None, on_policy=False):
         from step3_rlhf_finetuning.config import RewardConfig
         from utils.distributed import print_rank_0
 
@@ -194,7 +270,7 @@ class DeepSpeedPPOTrainer:
         self.rlhf_engine = rlhf_engine
         self.actor_model = rlhf_engine.actor
         self.critic_model = rlhf_engine.critic  # None for the critic-free estimators
-        self.ref_model = rlhf_engine.ref
+        self.ref_model = rlhf_engine.ref  # None without a KL term (--kl_ctl 0)
         self.reward_model = rlhf_engine.reward  # None when a reward function alone scores
         self.tokenizer = rlhf_engine.tokenizer
         self.ppo = ppo
@@ -211,6 +287,11 @@ class DeepSpeedPPOTrainer:
         self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = generation.logprob_temperature
+        # on-policy (old_logprobs_from_training_pass): log π_old is the training pass's, no pass of its own
+        self.on_policy = on_policy
+        if on_policy:
+            self.log("old log-probs: the training pass's own (on-policy: one optimizer step per round, no dropout, "
+                     "no KL in the reward), no forward pass of their own")
 
     # ------------------------------------------------------------------ generate
 
@@ -233,8 +314,30 @@ class DeepSpeedPPOTrainer:
                                self.end_token_ids, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
-    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor) -> tuple:
-        """(``[B, P + A]``: the actor's answers after the prompts, right padded with the pad id; tokens generated)."""
+    def _prefilled_cache(self, prompts: torch.Tensor, mask: torch.Tensor, group: int):
+        """``generate``'s KV cache for all but the last token of each group's prompt, run once per group and repeated
+        for its ``group`` rows; None where the plain ``generate`` must do it (one answer per prompt, ZeRO-3, the
+        hybrid engine, a model without the cache API)."""
+        from utils.model.answer_logprobs import _cache_name, forward_parameters, shared_group_size
+
+        module = self.actor_model.module
+        if (group <= 1 or self.z3_enabled or self.hybrid_engine or prompts.shape[1] < 2
+                or not can_share_prompt(module) or shared_group_size(prompts, mask, group) != group):
+            return None
+        head, head_mask = prompts[::group, :-1], mask[::group, :-1]
+        out = module(head, attention_mask=head_mask, position_ids=position_ids(head_mask), use_cache=True,
+                     logits_to_keep=1)
+        cache = getattr(out, _cache_name(forward_parameters(module)), None)
+        if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+            return None
+        cache.batch_repeat_interleave(group)
+        return cache
+
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, group: int = 1) -> tuple:
+        """(``[B, P + n]``: the actor's answers after the prompts, right padded with the pad id, ``n`` the longest
+        answer; tokens generated). ``group``: rows ``g·G …`` repeat one prompt (its prefill runs once)."""
+        from utils.model.answer_logprobs import _cache_name, forward_parameters
+
         gen = self.generation
         with torch.no_grad():
             if self.generator is not None:
@@ -248,10 +351,18 @@ class DeepSpeedPPOTrainer:
                     kwargs.update(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
                 else:
                     kwargs.update(temperature=None, top_k=None, top_p=None)
+                cache = self._prefilled_cache(prompts, mask, group)
+                if cache is not None:
+                    kwargs[_cache_name(forward_parameters(self.actor_model.module))] = cache
                 # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
                 seq = self.actor_model.module.generate(prompts, **kwargs)
-        generated = seq.shape[1] - prompts.shape[1]
-        return pad_to_length(seq, prompts.shape[1] + self.max_answer_seq_len, self.pad_token_id), generated
+        seq = seq[:, :prompts.shape[1] + self.max_answer_seq_len]
+        answers = seq[:, prompts.shape[1]:]
+        generated = answers.shape[1]
+        # the columns after every row's end are padding (a static generator may return some): cut them
+        real = answer_action_mask(answers, self.end_token_ids).any(dim=0).nonzero()
+        width = int(real[-1]) + 1 if len(real) else min(1, generated)
+        return seq[:, :prompts.shape[1] + width], generated
 
     def _print_answers(self, prompts, answers, step: int) -> None:
         gen = self.generation
@@ -266,7 +377,7 @@ class DeepSpeedPPOTrainer:
         Returns a :class:`Rollout` of ``B = b·G`` rows without scores. Answers with ≤ 1 real token (before
         the first end token) are dropped (masked out); ``info["dropped"]`` counts them on every rank. When every
         answer on every rank was dropped, ``info["kept"]`` is 0 and no log-prob was computed (the fields are
-        empty): the caller skips the round.
+        zeros): the caller skips the round. On-policy, ``logprobs`` stays zeros until :meth:`train_step`.
         """
         start = time.time()
         G = self.ppo.n_samples_per_prompt
@@ -274,7 +385,7 @@ class DeepSpeedPPOTrainer:
         prompt_text = [t for t in (prompt_text or [""] * (len(prompts) // G)) for _ in range(G)]
         rows = [r for r in (rows or [{}] * (len(prompts) // G)) for _ in range(G)]
         self.eval()
-        seq, generated = self._generate_sequence(prompts, mask)
+        seq, generated = self._generate_sequence(prompts, mask, G)
         generate_time = time.time() - start
         self.train()
 
@@ -288,32 +399,42 @@ class DeepSpeedPPOTrainer:
         counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
         kept, dropped = (int(round(c)) for c in counts.tolist())
         info = {"generate": generate_time, "generated_tokens": generated, "sequences": len(seq), "dropped": dropped,
-                "kept": kept}
-        attention_mask = torch.cat([mask.long(), answer_action_mask(answer_ids, self.end_token_ids)], dim=1)
-        action_mask = sequence_action_mask(seq, P, self.end_token_ids) * valid[:, None]
-        empty = seq.new_zeros(len(seq), seq.shape[1] - 1).float()
+                "kept": kept, "tokens": int(mask.sum()) + int(answer_len.sum())}
+        answer_mask = answer_action_mask(answer_ids, self.end_token_ids)
+        attention_mask = torch.cat([mask.long(), answer_mask], dim=1)
+        action_mask = answer_mask * valid[:, None]
         rollout = Rollout(prompts=prompts, input_ids=seq, attention_mask=attention_mask, action_mask=action_mask,
-                          logprobs=empty, ref_logprobs=empty, valid=valid, answer_len=answer_len,
-                          prompt_text=prompt_text, rows=rows, answers=answers, group_size=G, info=info)
+                          logprobs=torch.zeros(answer_ids.shape, dtype=torch.float32, device=seq.device),
+                          ref_logprobs=None, valid=valid, answer_len=answer_len, prompt_text=prompt_text, rows=rows,
+                          answers=answers, group_size=G, pad_token_id=self.pad_token_id, info=info)
+        if self.ref_model is not None:
+            rollout.ref_logprobs = torch.zeros_like(rollout.logprobs)
         if kept == 0:  # the same on every rank: all skip the round
             info["experience"] = time.time() - start
             return rollout
         with torch.no_grad(), deterministic(self.actor_model.module,
                                             self.critic_model.module if self.critic_model else None):
-            rollout.logprobs = self._action_log_probs(self.actor_model, seq, attention_mask)
-            rollout.ref_logprobs = self._action_log_probs(self.ref_model, seq, attention_mask)
+            if not self.on_policy:
+                rollout.logprobs = self._action_log_probs(self.actor_model, rollout)
+            if self.ref_model is not None:
+                rollout.ref_logprobs = self._action_log_probs(self.ref_model, rollout)
             if self.critic_model is not None:
-                values = self.critic_model.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-                rollout.values = values.float().detach()
+                rollout.values = self._values(rollout).float().detach()
         info["experience"] = time.time() - start
         return rollout
 
-    def _action_log_probs(self, model, seq: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T−1]`` log-probs of the taken actions ``seq[:, 1:]`` under ``model`` (at the sampling temperature)."""
-        logits = model(seq, attention_mask=attention_mask, use_cache=False).logits
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        return gather_log_probs(logits[:, :-1], seq[:, 1:])
+    def _action_log_probs(self, model, rollout: Rollout) -> torch.Tensor:
+        """``[B, A]`` log-probs of the answer tokens under ``model`` (at the sampling temperature): the LM head at
+        the answer positions only, each group's prompt run once (:func:`utils.model.answer_log_probs`)."""
+        P = rollout.prompt_length
+        return answer_log_probs(model, rollout.prompts, rollout.attention_mask[:, :P], rollout.answer_ids,
+                                rollout.attention_mask[:, P:], rollout.group_size, self.temperature)
+
+    def _values(self, rollout: Rollout) -> torch.Tensor:
+        """``[B, A]`` critic values of the state before each answer action (positions ``P − 1 … T − 2``)."""
+        P = rollout.prompt_length
+        values = self.critic_model.forward_value(rollout.input_ids, rollout.attention_mask, return_value_only=True)
+        return values[:, P - 1:-1]
 
     # ------------------------------------------------------------------ score
 
@@ -327,7 +448,7 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is not None:
             with torch.no_grad():
                 out = self.reward_model.forward_value(rollout.input_ids, rollout.attention_mask,
-                                                      prompt_length=rollout.prompts.shape[1])
+                                                      prompt_length=rollout.prompt_length)
             total += out["chosen_end_scores"].float().detach()
         if self.reward_fn is not None:
             scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)
@@ -349,22 +470,20 @@ class DeepSpeedPPOTrainer:
           every rank for ``reinforce`` / ``reinforce_baseline``.
         """
         ppo, mask = self.ppo, rollout.action_mask
-        kl_ctl = 0.0 if ppo.use_kl_loss else ppo.kl_ctl
+        kl_ctl = 0.0 if ppo.use_kl_loss or rollout.ref_logprobs is None else ppo.kl_ctl
+        ref = rollout.ref_logprobs if rollout.ref_logprobs is not None else rollout.logprobs
         with torch.no_grad():
             if ppo.uses_critic:
-                start = rollout.start
-                rewards = kl_penalized_rewards(rollout.logprobs, rollout.ref_logprobs, rollout.scores, mask, kl_ctl,
+                rewards = kl_penalized_rewards(rollout.logprobs, ref, rollout.scores, mask, kl_ctl,
                                                ppo.clip_reward_value, ppo.kl_estimator)
-                advantages, returns = gae_advantages_and_returns(rollout.values, rewards, mask, ppo.gamma, ppo.lam,
-                                                                 start)
-                rollout.advantages = torch.cat([advantages.new_zeros(len(rollout), start), advantages], dim=1)
-                rollout.returns = torch.cat([returns.new_zeros(len(rollout), start), returns], dim=1)
+                rollout.advantages, rollout.returns = gae_advantages_and_returns(rollout.values, rewards, mask,
+                                                                                 ppo.gamma, ppo.lam)
                 return
             estimate, whiten = SEQUENCE_ESTIMATORS[ppo.advantage_estimator]
             clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
             per_answer = estimate(clipped, rollout.group_size, rollout.valid)
-            rewards = kl_penalized_rewards(rollout.logprobs, rollout.ref_logprobs, per_answer, mask, kl_ctl,
-                                           float("inf"), ppo.kl_estimator)
+            rewards = kl_penalized_rewards(rollout.logprobs, ref, per_answer, mask, kl_ctl, float("inf"),
+                                           ppo.kl_estimator)
             advantages = discounted_returns(rewards, mask, ppo.gamma)
             if whiten:
                 reduce = None
@@ -382,14 +501,17 @@ class DeepSpeedPPOTrainer:
     def train_step(self, micro: Rollout) -> dict:
         """One update of the actor (and, for ``gae``, the critic) on a micro-batch of a scored rollout with
         advantages; returns the losses (detached scalars): ``actor_loss``, ``critic_loss`` (gae), ``kl_loss``
-        (``--use_kl_loss``)."""
+        (``--use_kl_loss``). On-policy, the micro-batch's ``logprobs`` (a view of the round's) receive the
+        training pass's detached log-probs, which are also the ratio's denominator."""
         ppo, mask = self.ppo, micro.action_mask
         normalizer = self._loss_normalizer(micro)
-        logprobs = self._action_log_probs(self.actor_model, micro.input_ids, micro.attention_mask)
+        logprobs = self._action_log_probs(self.actor_model, micro)
+        if self.on_policy:
+            micro.logprobs.copy_(logprobs.detach())
         policy_loss = actor_loss(logprobs, micro.logprobs, micro.advantages, mask, ppo.cliprange, normalizer)
         losses = {"actor_loss": policy_loss.detach()}
         loss = policy_loss
-        if ppo.use_kl_loss:
+        if ppo.use_kl_loss and micro.ref_logprobs is not None:
             kl = kl_loss(logprobs, micro.ref_logprobs, mask, ppo.kl_estimator, normalizer)
             loss = loss + ppo.kl_ctl * kl
             losses["kl_loss"] = kl.detach()
@@ -400,8 +522,7 @@ class DeepSpeedPPOTrainer:
         if not ppo.align_overflow:
             self.actor_model.step()
 
-        values = self.critic_model.forward_value(micro.input_ids, micro.attention_mask,
-                                                 return_value_only=True)[:, :-1]
+        values = self._values(micro)
         value_loss = critic_loss(values, micro.values, micro.returns, mask, ppo.cliprange_value)
         self.critic_model.backward(value_loss)
         if ppo.align_overflow:

@@ -6,7 +6,8 @@ model       built from              engine
 actor       step-1 folder           train: ``--actor_zero_stage``, ``--offload``, optimizer +
                                     scheduler, hybrid-engine fields, LoRA / dropout / ckpting
 ref         step-1 folder           eval: ZeRO 3 iff the actor's is 3, else 0;
-                                    ``--offload_reference_model``
+                                    ``--offload_reference_model``; absent without a KL
+                                    term (``--kl_ctl 0``): nothing would read it
 actor_ema   step-1 folder           eval, like ref (``--enable_ema``); LoRA like the actor
 critic      step-2 folder           train: ``--critic_zero_stage``, ``--offload``; PPO (``gae``) only
 reward      step-2 folder           eval: ZeRO 3 iff the critic's (critic-free: the actor's) is 3,
@@ -100,7 +101,9 @@ class DeepSpeedRLHFEngine:
         self.num_total_iters = num_total_iters
         self.hybrid_engine_active = False  # set by _init_actor
         self.actor = self._init_actor()
-        self.ref = self._init_frozen_actor("ref", lora=False)
+        self.ref = self._init_frozen_actor("ref", lora=False) if config.reference else None
+        if self.ref is None:
+            print_rank_0("no reference model: --kl_ctl 0 uses no KL term (KL to the step-1 actor is not measured)")
         self.actor_ema = self._init_frozen_actor("EMA", lora=True) if config.enable_ema else None
         self.critic = self._init_critic() if config.critic is not None else None
         self.reward = self._init_reward() if config.reward_model is not None else None

@@ -132,9 +132,11 @@ def test_phase3_prompts_end_with_the_generation_prompt_and_step3_scores_the_end_
         "<|im_start|>assistant\n")
     # a generated answer: left-padded prompt, 3 tokens and <|im_end|>, then the pad generate fills in
     batch = du.DataCollatorRLHF(32, tok.pad_token_id)([sample])
+    P = batch["prompt"].shape[1]  # the prompt's length rounded up to a multiple of 8, ≤ 32
+    assert P % 8 == 0 and P - 8 < len(sample["input_ids"]) <= P
     answer = chat.encode("It is calm.") + [chat.eot_id] + [tok.pad_token_id] * 4
     seq = torch.cat([batch["prompt"], torch.tensor([answer])], dim=1)
-    assert int(end_score_index(seq, 32, tok.pad_token_id, tok.eos_token_id)[0]) == 32 + len(answer) - 5
+    assert int(end_score_index(seq, P, tok.pad_token_id, tok.eos_token_id)[0]) == P + len(answer) - 5
 
 
 def test_dpo_sums_the_answer_turns_only(tok, chat):

@@ -17,8 +17,7 @@ from torch.testing import assert_close
 
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches, end_of_answer_token_ids,
-                                               pad_to_length)
+from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer, Rollout, cut_batches, end_of_answer_token_ids
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
 from utils.perf import step3_throughput, throughput_lines, transformer_flops
@@ -134,23 +133,23 @@ PROMPT_MASK = torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1]])
 
 def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
     # row 0: 2 real tokens + EOS (kept); row 1: 1 real token + EOS (dropped: ≤ 1 token);
-    # row 2: EOS right away (dropped). Generation stopped after 3 new tokens, so the
-    # output is padded to P + max_answer = 3 + 4 = 7.
+    # row 2: EOS right away (dropped). Generation stopped after 3 new tokens: the answers are 3 columns wide (not
+    # padded to --max_answer_seq_len 4: nothing would read the 4th).
     answers = [[3, 4, EOS], [3, EOS, PAD], [EOS, PAD, PAD]]
     trainer, engine = make_trainer(answers, scores=[1.0, 2.0, 3.0], dropout=0.5)
     exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     assert engine.actor.module.training  # back in train mode for PPO ...
 
-    assert exp.input_ids.shape == (3, 7)
-    assert exp.input_ids[0].tolist() == [5, 6, 7, 3, 4, EOS, PAD]
+    assert exp.input_ids.shape == (3, 6)
+    assert exp.input_ids[0].tolist() == [5, 6, 7, 3, 4, EOS]
     assert exp.valid.tolist() == [1, 0, 0]
     assert exp.answer_len.tolist() == [2, 1, 0]
     assert exp.answers == ["de", "d", ""]  # decoded up to the end token
     assert exp.info["dropped"] == 2 and exp.info["kept"] == 1 and exp.info["sequences"] == 3
     # attention: the prompt mask as given + answer up to and including its first EOS (pad == eos!)
-    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]]
-    # actions t = P-1 = 2 … emit tokens 3 …; row 0 counts 3 (3), 4 (4) and EOS (5); dropped rows count nothing
-    assert exp.action_mask.tolist() == [[0, 0, 1, 1, 1, 0], [0] * 6, [0] * 6]
+    assert exp.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
+    # one action per answer token: row 0 counts 3, 4 and EOS; dropped rows count nothing
+    assert exp.action_mask.tolist() == [[1, 1, 1], [0] * 3, [0] * 3]
     assert trainer.score(exp).tolist() == [1.0, 2.0, 3.0]
     assert engine.reward.module.seen_prompt_length == 3
     kw = engine.actor.module.generate_kwargs
@@ -160,7 +159,7 @@ def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
     engine.actor.module.eval()
     logits = engine.actor.module(exp.input_ids).logits
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
-    assert_close(exp.logprobs, expected)
+    assert_close(exp.logprobs, expected[:, 2:])  # the answer actions: from position P − 1 = 2 on
 
 
 def test_a_batch_of_empty_answers_is_skipped_not_a_crash():
@@ -178,7 +177,7 @@ def test_sampling_flags_reach_generate():
     # log-probs of the distribution the answers were sampled from: logits / temperature
     logits = engine.ref.module(exp.input_ids).logits / 0.7
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
-    assert_close(exp.ref_logprobs, expected)
+    assert_close(exp.ref_logprobs, expected[:, 2:])
 
 
 # --------------------------------------------------------------------------- training
@@ -358,8 +357,7 @@ def test_rollout_cat_slices_and_checkpoint_state():
     assert torch.equal(again.input_ids, both.input_ids) and again.rows == both.rows
 
 
-def test_pad_to_length_and_end_token():
-    assert pad_to_length(torch.tensor([[1, 2]]), 4, 0).tolist() == [[1, 2, 0, 0]]
+def test_end_token():
     tok = SimpleNamespace(eos_token_id=2, unk_token_id=9, convert_tokens_to_ids=lambda t: [7])
     assert end_of_answer_token_ids(tok) == (2,)
     assert end_of_answer_token_ids(tok, "<eot>") == (7, 2)  # the EOT ends an answer, and so does the EOS

@@ -111,21 +111,38 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, eps: float
 # --------------------------------------------------------------------------- log-probs
 
 
-def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under ``softmax(logits)``, computed in float32.
+def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                     chunk_rows: int = 8) -> torch.Tensor:
+    """Log-probability of each label under ``softmax(logits / temperature)``, computed in float32.
+
+    ``log p = x[label] − logsumexp(x)`` with ``x = logits / temperature`` in float32: no ``log_softmax`` over
+    the vocabulary is kept. Without gradients (``torch.no_grad`` or logits that need none) the rows are taken
+    ``chunk_rows`` at a time, so the float32 copy (bf16 logits) and the temperature's copy exist for one chunk
+    only; with gradients the whole tensor is taken at once (a chunked autograd graph would allocate a
+    full-size gradient per chunk), and fp32 logits at temperature 1 are used as they are, without a copy.
 
     Args:
-        logits: ``[B, T, V]`` (any float dtype).
-        labels: ``[B, T]`` token ids. Negative ids (e.g. the ``-100`` ignore index) are
+        logits: ``[..., T, V]`` (any float dtype; the leading dimensions are rows).
+        labels: ``[..., T]`` token ids. Negative ids (e.g. the ``-100`` ignore index) are
             read as id 0: the value there is meaningless and must be masked out by the caller.
+        temperature: the logits are divided by it (1: as they are).
+        chunk_rows: rows (leading index) per chunk when no gradient is recorded.
 
     Returns:
-        ``[B, T]`` float32: ``log_softmax(logits)[b, t, labels[b, t]]``.
+        ``[..., T]`` float32: ``log_softmax(logits / temperature)[..., t, labels[..., t]]``.
     """
-    logits = logits.float()
     index = labels.clamp(min=0).unsqueeze(-1)
-    picked = logits.gather(dim=-1, index=index).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+
+    def one(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if temperature != 1.0:
+            x = x / temperature
+        return x.gather(dim=-1, index=idx).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+    if (torch.is_grad_enabled() and logits.requires_grad) or logits.dim() < 3 or logits.shape[0] <= chunk_rows:
+        return one(logits, index)
+    return torch.cat([one(logits[i:i + chunk_rows], index[i:i + chunk_rows])
+                      for i in range(0, logits.shape[0], chunk_rows)], dim=0)
 
 
 def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -421,19 +421,23 @@ class DataCollatorReward:
 
 
 class DataCollatorRLHF:
-    """Phase 3: prompts LEFT-padded to exactly ``max_token_len``: ``prompt``/``prompt_att_mask`` [B, P], and the
-    samples' ``prompt_text`` and ``rows`` (lists; a bare tensor sample has text "" and row {})."""
+    """Phase 3: prompts LEFT-padded to the batch's longest prompt, rounded up to ``pad_to_multiple`` and at most
+    ``max_token_len`` (DeepSpeed-Chat pads every batch to ``max_token_len``: the same answers, with up to 3× the
+    tokens in every pass when prompts are short): ``prompt``/``prompt_att_mask`` [B, P], and the samples'
+    ``prompt_text`` and ``rows`` (lists; a bare tensor sample has text "" and row {})."""
 
-    def __init__(self, max_token_len: int, pad_token_id: int):
-        self.max_token_len, self.pad_token_id = max_token_len, pad_token_id
+    def __init__(self, max_token_len: int, pad_token_id: int, pad_to_multiple: int = 8):
+        self.max_token_len, self.pad_token_id, self.multiple = max_token_len, pad_token_id, pad_to_multiple
 
     def __call__(self, samples):
         samples = [s if isinstance(s, dict) else {"input_ids": s, "prompt": "", "row": {}} for s in samples]
-        ids = torch.full((len(samples), self.max_token_len), self.pad_token_id, dtype=torch.long)
+        longest = max(min(len(s["input_ids"]), self.max_token_len) for s in samples)
+        length = min(_round_up(longest, self.multiple), self.max_token_len)
+        ids = torch.full((len(samples), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, sample in enumerate(samples):
-            s = sample["input_ids"][-self.max_token_len:]
-            ids[i, self.max_token_len - len(s):] = s
-            mask[i, self.max_token_len - len(s):] = 1
+            s = sample["input_ids"][-length:]
+            ids[i, length - len(s):] = s
+            mask[i, length - len(s):] = 1
         return {"prompt": ids, "prompt_att_mask": mask, "prompt_text": [s["prompt"] for s in samples],
                 "rows": [s["row"] for s in samples]}

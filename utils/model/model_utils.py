@@ -112,13 +112,26 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_
     return tokenizer
 
 
+DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop", "embd_pdrop",
+                "attn_pdrop")  # the config fields transformers' models read their dropout probabilities from
+
+
 def configure_dropout(config, dropout):
     if dropout is not None:
-        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout",
-                    "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        for key in DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, dropout)
     return config
+
+
+def has_dropout(model) -> bool:
+    """Does ``model`` drop anything in train mode? An ``nn.Dropout`` with p > 0, or a dropout probability > 0 in
+    its config (attention dropout is often functional, with no module to see)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    return any(isinstance(getattr(config, key, None), (int, float)) and getattr(config, key) > 0
+               for key in DROPOUT_KEYS)
 
 
 def create_hf_model(model_class, model_name_or_path: str, tokenizer, ds_config: dict | None = None,

@@ -1,0 +1,309 @@
+"""Step 3 computes nothing it throws away, and gets the same numbers as the plain way.
+
+* :func:`utils.rl_math.gather_log_probs` (temperature, chunks) equals ``log_softmax(logits / T)`` gathered;
+* the LM head at the kept positions equals the full logits' slice;
+* :func:`utils.model.answer_logprobs.answer_log_probs`: the shared-prompt pass equals the plain pass (values and
+  gradients), both equal the full-logits log-probs, and how much left padding a batch carries changes nothing;
+* the trainer on a real tiny model (PPO with a critic, GRPO): a round padded to its longest prompt gives the
+  log-probs, values, advantages and loss of the same round padded to the cap; the on-policy shortcut gives the
+  update of the extra pass;
+* the collator pads to the longest prompt (a multiple of 8), not the cap.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
+from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer, Rollout, old_logprobs_from_training_pass
+from utils.data.data_utils import DataCollatorRLHF
+from utils.model.answer_logprobs import answer_log_probs, can_share_prompt, position_ids, shared_group_size
+from utils.rl_math import gather_log_probs
+
+
+# --------------------------------------------------------------------------- the log-softmax
+
+
+def test_gather_log_probs_temperature_and_chunks_match_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 11, dtype=torch.bfloat16)
+    labels = torch.randint(0, 11, (5, 3))
+    labels[0, 0] = -100  # read as id 0 (masked by callers)
+    for temperature in (1.0, 0.7):
+        expected = torch.log_softmax(logits.float() / temperature, -1).gather(-1, labels.clamp(min=0)[..., None])
+        for chunk_rows in (1, 2, 8):
+            got = gather_log_probs(logits, labels, temperature, chunk_rows=chunk_rows)
+            assert got.dtype == torch.float32 and got.shape == (5, 3)
+            assert_close(got, expected.squeeze(-1))
+
+
+def test_gather_log_probs_gradient_is_the_log_softmax_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 2, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (4, 2))
+    gather_log_probs(logits, labels, 0.5).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    torch.log_softmax(logits / 0.5, -1).gather(-1, labels[..., None]).sum().backward()
+    assert_close(ours, logits.grad)
+
+
+# --------------------------------------------------------------------------- a real tiny model
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
+def lm(request):
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.tiny import resolve_model_path
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(request.param), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def batch(lm, G=3, left_pad=(0, 2, 5), P=8, A=6, seed=0):
+    """Prompts ``[b·G, P]`` (each repeated G times, left padded by ``left_pad``), answers ``[b·G, A]`` right padded
+    (row 1 ends after 3 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    V, pad = lm.config.vocab_size, 1
+    b = len(left_pad)
+    prompts = torch.randint(3, V, (b, P), generator=g)
+    mask = torch.ones(b, P, dtype=torch.long)
+    for i, n in enumerate(left_pad):
+        prompts[i, :n], mask[i, :n] = pad, 0
+    prompts, mask = prompts.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    answers = torch.randint(3, V, (b * G, A), generator=g)
+    answer_mask = torch.ones_like(answers)
+    answers[1, 3:], answer_mask[1, 4:] = pad, 0
+    return prompts, mask, answers, answer_mask
+
+
+def full_log_probs(lm, prompts, mask, answers, answer_mask, temperature=1.0):
+    """The plain way: all logits, log-softmax over everything, the answer columns sliced out."""
+    ids = torch.cat([prompts, answers], 1)
+    full_mask = torch.cat([mask, answer_mask], 1)
+    logits = lm(ids, attention_mask=full_mask, position_ids=position_ids(full_mask)).logits / temperature
+    logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logps[:, prompts.shape[1] - 1:]
+
+
+def test_logits_at_kept_positions_are_the_full_logits_slice(lm):
+    prompts, mask, answers, answer_mask = batch(lm)
+    ids, full_mask = torch.cat([prompts, answers], 1), torch.cat([mask, answer_mask], 1)
+    with torch.no_grad():
+        full = lm(ids, attention_mask=full_mask).logits
+        kept = lm(ids, attention_mask=full_mask, logits_to_keep=5).logits
+    assert kept.shape[1] == 5
+    assert_close(kept, full[:, -5:], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_pass_equals_the_plain_pass_and_the_full_logits(lm):
+    prompts, mask, answers, answer_mask = batch(lm)
+    assert can_share_prompt(lm) and shared_group_size(prompts, mask, 3) == 3
+    real = answer_mask.bool()
+    with torch.no_grad():
+        full = full_log_probs(lm, prompts, mask, answers, answer_mask, 0.8)
+        plain = answer_log_probs(lm, prompts, mask, answers, answer_mask, 3, 0.8, share_prompt=False)
+        shared = answer_log_probs(lm, prompts, mask, answers, answer_mask, 3, 0.8)
+    assert plain.shape == shared.shape == answers.shape
+    assert_close(plain[real], full[real], atol=1e-5, rtol=1e-5)
+    assert_close(shared[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_pass_gives_the_plain_pass_gradients(lm):
+    prompts, mask, answers, answer_mask = batch(lm)
+    weights = torch.randn(answers.shape, generator=torch.Generator().manual_seed(3)) * answer_mask
+    grads = []
+    for share in (False, True):
+        lm.zero_grad()
+        (answer_log_probs(lm, prompts, mask, answers, answer_mask, 3, share_prompt=share) * weights).sum().backward()
+        grads.append([p.grad.clone() for p in lm.parameters() if p.grad is not None])
+    lm.zero_grad()
+    assert len(grads[0]) == len(grads[1]) > 0
+    for plain, shared in zip(*grads):
+        assert_close(shared, plain, atol=1e-5, rtol=1e-4)
+
+
+def test_left_padding_changes_nothing(lm):
+    prompts, mask, answers, answer_mask = batch(lm)
+    extra = 8  # the same prompts padded to a longer cap
+    padded = torch.cat([torch.full((len(prompts), extra), 1), prompts], 1)
+    padded_mask = torch.cat([torch.zeros(len(prompts), extra, dtype=torch.long), mask], 1)
+    real = answer_mask.bool()
+    with torch.no_grad():
+        for share in (False, True):
+            short = answer_log_probs(lm, prompts, mask, answers, answer_mask, 3, share_prompt=share)
+            long = answer_log_probs(lm, padded, padded_mask, answers, answer_mask, 3, share_prompt=share)
+            assert_close(long[real], short[real], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_do_not_repeat_a_prompt_are_not_shared():
+    prompts = torch.tensor([[1, 2], [1, 2], [1, 3], [1, 3]])
+    mask = torch.ones_like(prompts)
+    assert shared_group_size(prompts, mask, 2) == 2
+    assert shared_group_size(prompts, mask, 4) == 1  # not one prompt four times
+    assert shared_group_size(prompts[:3], mask[:3], 2) == 1  # a group cut in two
+    other_mask = mask.clone()
+    other_mask[1, 0] = 0
+    assert shared_group_size(prompts, other_mask, 2) == 1
+
+
+# --------------------------------------------------------------------------- the collator
+
+
+def test_prompts_are_padded_to_the_longest_rounded_to_8_and_capped():
+    collate = DataCollatorRLHF(32, pad_token_id=0)
+    out = collate([torch.arange(1, 12), torch.arange(1, 4)])  # longest 11 -> 16
+    assert out["prompt"].shape == (2, 16)
+    assert out["prompt"][1].tolist() == [0] * 13 + [1, 2, 3] and out["prompt_att_mask"][1].sum() == 3
+    assert collate([torch.arange(1, 40)])["prompt"].shape == (1, 32)  # cut to the cap, from the left
+    assert collate([torch.arange(1, 40)])["prompt"][0, -1] == 39
+    assert DataCollatorRLHF(30, pad_token_id=0)([torch.arange(1, 28)])["prompt"].shape == (1, 30)  # ≤ the cap
+
+
+# --------------------------------------------------------------------------- the trainer on a real tiny model
+
+
+class Engine(torch.nn.Module):
+    """What the trainer uses of a DeepSpeed engine, around a real model, with plain SGD."""
+
+    def __init__(self, module, lr=None):
+        super().__init__()
+        self.module = module
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr is not None else None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def forward_value(self, *args, **kwargs):
+        return self.module.forward_value(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def zero_optimization_stage(self):
+        return 0
+
+
+def make_trainer(estimator, on_policy=False, lr=1e-2, G=2):
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.critic import create_critic_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.tiny import resolve_model_path
+
+    path = resolve_model_path("tiny-llama")
+    tokenizer = load_hf_tokenizer(path)
+
+    def lm():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def critic():
+        torch.manual_seed(1)
+        return create_critic_model(path, tokenizer, None, num_padding_at_beginning=0)
+
+    ppo = PPOConfig(advantage_estimator=estimator, n_samples_per_prompt=G if estimator != "gae" else 1, kl_ctl=0.1)
+    engine = SimpleNamespace(actor=Engine(lm(), lr), ref=Engine(lm()), actor_ema=None, tokenizer=tokenizer,
+                             critic=Engine(critic(), lr) if estimator == "gae" else None, reward=Engine(critic()))
+    generation = GenerationConfig(max_prompt_seq_len=48, max_answer_seq_len=6, do_sample=estimator != "gae",
+                                  backend="hf")
+    return DeepSpeedPPOTrainer(engine, ppo, generation, log=lambda *_: None, reward=RewardConfig(),
+                               on_policy=on_policy), engine
+
+
+def prompt_batch(tokenizer, cap):
+    texts = [" Human: Describe the lamp. Assistant:", " Human: Tell me about the small red kite please. Assistant:"]
+    samples = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
+    return DataCollatorRLHF(cap, tokenizer.pad_token_id)(samples)
+
+
+def round_of(trainer, engine, cap, seed=5):
+    torch.manual_seed(seed)
+    b = prompt_batch(trainer.tokenizer, cap)
+    rollout = trainer.generate(b["prompt"], b["prompt_att_mask"])
+    rollout.scores = trainer.score(rollout)
+    trainer.compute_advantages(rollout)
+    return rollout
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_a_round_padded_to_its_longest_equals_the_round_padded_to_the_cap(estimator):
+    cap, results = 48, []
+    for to_the_cap in (False, True):
+        trainer, engine = make_trainer(estimator, lr=0.0)
+        b = prompt_batch(trainer.tokenizer, cap)
+        prompts, mask = b["prompt"], b["prompt_att_mask"]
+        if to_the_cap:  # DeepSpeed-Chat's way: every prompt left padded to --max_prompt_seq_len
+            extra = cap - prompts.shape[1]
+            prompts = torch.cat([torch.full((len(prompts), extra), trainer.pad_token_id), prompts], 1)
+            mask = torch.cat([torch.zeros(len(mask), extra, dtype=torch.long), mask], 1)
+        torch.manual_seed(5)
+        rollout = trainer.generate(prompts, mask)
+        rollout.scores = trainer.score(rollout)
+        trainer.compute_advantages(rollout)
+        results.append((rollout, trainer.train_step(rollout)))
+    (short, short_losses), (long, long_losses) = results
+    assert long.prompt_length == cap and short.prompt_length % 8 == 0 and short.prompt_length <= cap - 16
+    assert torch.equal(short.answer_ids, long.answer_ids)  # the same answers
+    real = short.action_mask.bool()
+    assert real.sum() > 0
+    for name in ("logprobs", "ref_logprobs", "advantages") + (("values", "returns") if estimator == "gae" else ()):
+        assert_close(getattr(short, name)[real], getattr(long, name)[real], atol=1e-5, rtol=1e-5)
+    assert_close(short.scores, long.scores, atol=1e-5, rtol=1e-5)
+    assert short_losses.keys() == long_losses.keys()
+    for name in short_losses:
+        assert_close(short_losses[name], long_losses[name], atol=1e-5, rtol=1e-5)
+
+
+def test_the_on_policy_shortcut_gives_the_update_of_the_extra_pass():
+    weights = []
+    for on_policy in (False, True):
+        trainer, engine = make_trainer("grpo", on_policy=on_policy, lr=0.5)
+        rollout = round_of(trainer, engine, 24)
+        if on_policy:
+            assert (rollout.logprobs == 0).all()  # no pass of its own ...
+        trainer.train_step(rollout)
+        if on_policy:  # ... the training pass's log-probs, for the KL metric
+            assert (rollout.logprobs[rollout.action_mask.bool()] != 0).all()
+        weights.append([p.detach().clone() for p in engine.actor.module.parameters()])
+        before = [p.detach() for p in make_trainer("grpo")[1].actor.module.parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(weights[-1], before))  # the update did something
+    for extra_pass, shortcut in zip(*weights):
+        assert_close(shortcut, extra_pass, atol=1e-6, rtol=1e-5)
+
+
+def test_on_policy_only_when_provably_so():
+    grpo = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=4)  # KL in the loss
+    assert old_logprobs_from_training_pass(grpo, micro_batches_per_round=1, grad_accum=1, dropout=False)
+    assert old_logprobs_from_training_pass(grpo, micro_batches_per_round=2, grad_accum=4, dropout=False)
+    assert not old_logprobs_from_training_pass(grpo, 2, 1, False)  # a second optimizer step inside the round
+    assert not old_logprobs_from_training_pass(grpo, 1, 1, True)  # dropout: train mode ≠ eval mode
+    two_epochs = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=4, ppo_epochs=2)
+    assert not old_logprobs_from_training_pass(two_epochs, 1, 1, False)
+    assert not old_logprobs_from_training_pass(PPOConfig(), 1, 1, False)  # PPO: KL in the reward reads log π_old
+    assert old_logprobs_from_training_pass(PPOConfig(kl_ctl=0.0), 1, 1, False)
+    rloo = PPOConfig(advantage_estimator="rloo", n_samples_per_prompt=2)
+    assert not old_logprobs_from_training_pass(rloo, 1, 1, False)
+
+
+def test_rollouts_of_different_lengths_concatenate_and_trim():
+    trainer, engine = make_trainer("grpo", lr=0.0)
+    a = round_of(trainer, engine, 24)
+    b = a.micro_batches(2)[0].padded(a.prompt_length + 8, a.action_mask.shape[1] + 3)
+    both = Rollout.cat([a, b])
+    assert both.prompt_length == a.prompt_length + 8 and both.action_mask.shape[1] == a.action_mask.shape[1] + 3
+    assert (both.attention_mask[:len(a), :8] == 0).all() and (both.action_mask[:, -3:] == 0).all()
+    assert len(both) == len(a) + 2 and both.info["sequences"] == a.info["sequences"]  # a micro-batch has no info
+    # a micro-batch drops the columns that are padding in all its rows: the numbers of the unpadded round
+    again, trimmed = both.micro_batches(len(a))[0], a.micro_batches(len(a))[0]
+    assert again.prompt_length == trimmed.prompt_length <= a.prompt_length
+    for name in ("input_ids", "attention_mask", "action_mask", "advantages", "logprobs"):
+        assert torch.equal(getattr(again, name), getattr(trimmed, name))
