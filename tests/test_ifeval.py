@@ -1,0 +1,161 @@
+"""IFEval's verifiable instructions (utils/ifeval.py): every checker on answers written by hand that keep and break
+it, IFEval's edge cases, a row's compliance share and its errors."""
+import pytest
+
+from utils.errors import UserInputError
+from utils.ifeval import INSTRUCTIONS, check, compliance, count_sentences, count_words, describe, instructions_of
+
+FIVE = "one two three four five"
+
+# id: (kwargs, answers that keep it, answers that break it)
+CASES = {
+    "change_case:english_lowercase": ({}, ["all lower case, 2 numbers."], ["One capital."]),
+    "change_case:english_capital": ({}, ["ALL CAPITALS, 2 NUMBERS."], ["ALMOST aLL"]),
+    "change_case:capital_word_frequency": ({"capital_frequency": 2, "capital_relation": "at least"},
+                                           ["SO VERY well", "a WELL-KNOWN FACT"], ["ONE only", "None At All"]),
+    "length_constraints:number_words": ({"relation": "less than", "num_words": 5},
+                                        ["one two three four", "one, two; three-four."], [FIVE, FIVE + " six"]),
+    "length_constraints:number_sentences": ({"relation": "at least", "num_sentences": 2},
+                                            ["One. Two!", "Is it? Yes."], ["Just one.", "Dr. Smith came home."]),
+    "length_constraints:number_paragraphs": ({"num_paragraphs": 2},
+                                             ["First.\n***\nSecond.", "***\nFirst.\n***\nSecond.\n***"],
+                                             ["Only one.", "A.\n***\n\n***\nB."]),
+    "length_constraints:nth_paragraph_first_word": ({"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
+                                                    ["First one.\n\nThen, the second.", "A.\n\n\"Then\" B."],
+                                                    ["First.\n\nNext.", "First.\n\nThen.\n\nThird."]),
+    "punctuation:no_comma": ({}, ["No comma here."], ["One, two."]),
+    "startend:end_checker": ({"end_phrase": "Any other questions?"},
+                             ["Done. Any other questions?", "Done. any other questions?  \n",
+                              '"Done. Any other questions?"'],
+                             ["Any other questions? Bye.", "Done. Any other questions"]),
+    "startend:quotation": ({}, ['"Wrapped."', '  "Wrapped."\n'], ['"Half wrapped.', '"'], ),
+    "keywords:existence": ({"keywords": ["river", "Stone"]},
+                           ["A stone by the RIVER.", "stones by the riverbank"], ["A stone alone."]),
+    "keywords:frequency": ({"keyword": "tea", "frequency": 2, "relation": "less than"},
+                           ["Tea time.", "Coffee."], ["Tea and TEA.", "tea, steep, team"]),
+    "keywords:forbidden_words": ({"forbidden_words": ["bad", "Ugly"]},
+                                 ["Badly made but badge-worthy.", "Fine."], ["It is BAD.", "so ugly!"]),
+    "keywords:letter_frequency": ({"letter": "z", "let_frequency": 2, "let_relation": "at least"},
+                                  ["Zig zag", "zz"], ["Zero", "none"]),
+    "detectable_format:number_bullet_lists": ({"num_bullets": 2},
+                                              ["* one\n* two", "Intro:\n- one\n  * two\n**Bold** line"],
+                                              ["* one", "* one\n- two\n* three", "1. one\n2. two"]),
+    "detectable_format:json_format": ({}, ['{"a": 1}', '```json\n{"a": [1, 2]}\n```', "```\n[1]\n```", "  42 "],
+                                      ["{'a': 1}", '{"a": 1} and more', "```json\n{\n```"]),
+    "detectable_format:title": ({}, ["<<A title>>\nText.", "Text <<poem of joy>> text."],
+                                ["<< >> no title", "<<broken\ntitle>>", "No title."]),
+    "detectable_format:number_highlighted_sections": ({"num_highlights": 2},
+                                                      ["*one* and *two*", "**bold** and *italic*"],
+                                                      ["*one* only", "** ** and *one*"]),
+    "detectable_format:multiple_sections": ({"section_spliter": "Section", "num_sections": 2},
+                                            ["Section 1\nA.\nSection 2\nB."], ["Section 1\nA. Only one."]),
+    "detectable_format:constrained_response": ({}, ["My answer is yes.", "Well. My answer is maybe."],
+                                               ["Yes.", "My answer is yes"]),
+    "detectable_content:postscript": ({"postscript_marker": "P.S."},
+                                      ["Body.\n\nP.S. More.", "Body. p. s. more"], ["Body only.", "Body. PS more"]),
+    "detectable_content:number_placeholders": ({"num_placeholders": 2}, ["[name] at [address]", "[a][b][c]"],
+                                               ["[name] only", "no brackets"]),
+    "combination:repeat_prompt": ({"prompt_to_repeat": "Describe the sea."},
+                                  ["Describe the sea. It is wide.", "  describe THE sea. Blue."],
+                                  ["Sure! Describe the sea. It is wide.", "Describe the sky."]),
+    "combination:two_responses": ({}, ["Yes.\n******\nNo.", "******\nA\n******\nB\n******"],
+                                  ["Same\n******\nSame", "A\n******\n\n******\nB", "Only one."]),
+}
+
+
+def test_every_instruction_has_a_case_and_at_least_twelve_kinds():
+    assert set(CASES) == set(INSTRUCTIONS) and len(INSTRUCTIONS) >= 12
+
+
+@pytest.mark.parametrize("instruction_id", sorted(CASES))
+def test_each_checker_keeps_and_breaks(instruction_id):
+    kwargs, keep, breaks = CASES[instruction_id]
+    assert [check(instruction_id, kwargs, a) for a in keep] == [True] * len(keep)
+    assert [check(instruction_id, kwargs, a) for a in breaks] == [False] * len(breaks)
+    assert check(instruction_id, kwargs, "  \n") is False  # IFEval's strict rule: a blank answer keeps nothing
+    assert describe(instruction_id, kwargs).strip()
+
+
+def test_relations_at_their_boundaries():
+    for n, relation, expected in [(4, "less than", True), (5, "less than", False), (5, "at least", True),
+                                  (4, "at least", False)]:
+        answer = " ".join(["word"] * n)
+        assert check("length_constraints:number_words", {"relation": relation, "num_words": 5}, answer) is expected
+        sentences = " ".join(["It is."] * n)
+        assert check("length_constraints:number_sentences", {"relation": relation, "num_sentences": 5},
+                     sentences) is expected
+    assert check("keywords:letter_frequency", {"letter": "a", "let_frequency": 3, "let_relation": "less than"},
+                 "A banana") is False  # four a's, either case
+
+
+def test_counting_words_and_sentences():
+    assert count_words("It's well-known: 3.5 kg!") == 7  # it, s, well, known, 3, 5, kg: runs of \w
+    assert count_sentences("") == 0 and count_sentences("no end mark") == 1
+    assert count_sentences("Mr. Smith met Dr. Jones. They spoke, e.g. about J. K. Rowling! Fine?") == 3
+    assert count_sentences("It costs 3.5 dollars. Wait... what?") == 3
+    assert count_sentences("Steps:\n1. Mix it.\n2. Bake it.") == 2  # list numbers end nothing
+    assert count_sentences("In 2020. Then more.") == 2
+    assert count_sentences("* a\n* b") == 1  # like punkt, a line break alone ends nothing
+
+
+def test_end_phrase_and_fences_follow_ifeval():
+    end = {"end_phrase": "  Is there anything else I can help with?  "}  # IFEval strips the phrase
+    assert check("startend:end_checker", end, "Text. Is there anything else I can help with?\n\n")
+    assert not check("startend:end_checker", end, "Text. Is there anything else I can help with? Thanks")
+    assert check("detectable_format:json_format", {}, "```JSON\n{\"k\": \"v\"}\n```\n")
+    assert not check("detectable_format:json_format", {}, "Here it is: ```json\n{}\n```")
+
+
+def test_prompt_texts_are_ifevals():
+    assert describe("change_case:english_lowercase") == ("Your entire response should be in English, and in all "
+                                                         "lowercase letters. No capital letters are allowed.")
+    assert describe("length_constraints:number_words", {"relation": "less than", "num_words": 40}) == \
+        "Answer with less than 40 words."
+    assert describe("keywords:existence", {"keywords": ["sun", "sea"]}) == \
+        'Include keywords "sun" and "sea" in the response.'
+    assert describe("detectable_format:number_bullet_lists", {"num_bullets": 3}).startswith(
+        "Your answer must contain exactly 3 bullet points. Use the markdown bullet points such as:\n* This is")
+
+
+@pytest.mark.parametrize("instruction_id,kwargs,message", [
+    ("nope:unknown", {}, "unknown IFEval instruction id 'nope:unknown'"),
+    ("length_constraints:number_words", {"num_words": 5}, r"takes kwargs \['num_words', 'relation'\]; missing "
+                                                          r"\['relation'\]"),
+    ("punctuation:no_comma", {"num_words": 5}, r"takes kwargs \[\]; unexpected \['num_words'\]"),
+    ("length_constraints:number_words", {"num_words": 5, "relation": "at most"}, "'relation' must be one of"),
+    ("length_constraints:number_words", {"num_words": "5", "relation": "at least"}, "'num_words' must be a whole"),
+    ("keywords:existence", {"keywords": []}, "'keywords' must be a non-empty list of words"),
+    ("keywords:letter_frequency", {"letter": "ab", "let_frequency": 1, "let_relation": "at least"}, "one letter"),
+])
+def test_bad_ids_and_kwargs_are_one_clear_error(instruction_id, kwargs, message):
+    with pytest.raises(UserInputError, match=message):
+        check(instruction_id, kwargs, "answer")
+
+
+def test_none_kwargs_values_count_as_absent():
+    # the hub copy (google/IFEval) fills every kwargs object with every name, null where unused
+    hub = {"num_words": None, "relation": None, "keywords": None, "end_phrase": "Bye."}
+    assert check("startend:end_checker", hub, "Well. Bye.") and check("punctuation:no_comma", None, "x")
+
+
+def test_compliance_is_the_share_kept():
+    one = {"prompt": "p", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [None]}
+    assert compliance(one, "No commas.") == 1.0 and compliance(one, "A, b.") == 0.0
+    two = {"instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
+           "kwargs": [{}, {"relation": "less than", "num_words": 3}]}
+    assert [compliance(two, a) for a in ["one two", "one, two", "one two three", "one, two, three"]] == \
+        [1.0, 0.5, 0.5, 0.0]
+    no_kwargs = {"instruction_id_list": ["startend:quotation", "detectable_format:title"]}  # kwargs missing: {} each
+    assert compliance(no_kwargs, '"<<T>>"') == 1.0
+    assert instructions_of(no_kwargs) == [("startend:quotation", {}), ("detectable_format:title", {})]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"key": 7, "prompt": "p"}, "row with key 7 has no instruction_id_list"),
+    ({"prompt": "Say hi.", "instruction_id_list": []}, r"row \(prompt 'Say hi.'\) has no instruction_id_list"),
+    ({"key": 1, "instruction_id_list": ["a:b"], "kwargs": [{}]}, "row with key 1: unknown IFEval instruction id 'a:b'"),
+    ({"key": 2, "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}, {}]}, "kwargs must be a list of 1"),
+])
+def test_a_bad_row_is_named(row, message):
+    with pytest.raises(UserInputError, match=message):
+        compliance(row, "answer")
