@@ -1,9 +1,11 @@
 """IFEval's verifiable instructions (utils/ifeval.py): every checker on answers written by hand that keep and break
-it, IFEval's edge cases, a row's compliance share and its errors."""
+it, IFEval's edge cases, a row's compliance share and its errors; the ``ifeval`` reward function as steps 2 and 3
+call it."""
 import pytest
 
 from utils.errors import UserInputError
 from utils.ifeval import INSTRUCTIONS, check, compliance, count_sentences, count_words, describe, instructions_of
+from utils.reward_functions import call_reward_fn, check_rows, ifeval, load_reward_fn
 
 FIVE = "one two three four five"
 
@@ -159,3 +161,39 @@ def test_compliance_is_the_share_kept():
 def test_a_bad_row_is_named(row, message):
     with pytest.raises(UserInputError, match=message):
         compliance(row, "answer")
+
+
+# --------------------------------------------------------------------------- the reward function
+
+ROWS = [{"key": 0, "prompt": "Say hi.", "instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}],
+         "reference_answer": None},
+        {"key": 1, "prompt": "Name two.", "instruction_id_list": ["detectable_format:number_bullet_lists",
+                                                                   "punctuation:no_comma"],
+         "kwargs": [{"num_bullets": 2}, None], "reference_answer": None}]
+
+
+def test_ifeval_is_a_built_in_reward_function():
+    fn = load_reward_fn("ifeval")
+    assert fn is ifeval
+    prompts = [" Human: Say hi. Assistant:", " Human: Name two. Assistant:"]
+    assert call_reward_fn(fn, "ifeval", prompts, [" hi there", "* a, b\n* c"], ROWS) == [1.0, 0.5]
+    # as collect_comparisons calls it: each prompt's row repeated for its K answers, flag --label_fn
+    answers = [" hi", " Hi", "* a\n* b", "* a\n* b\n* c"]
+    assert call_reward_fn(fn, "ifeval", [p for p in prompts for _ in range(2)], answers,
+                          [r for r in ROWS for _ in range(2)], flag="--label_fn") == [1.0, 0.0, 1.0, 0.5]
+    with pytest.raises(UserInputError, match=r"--reward_fn ifeval raised UserInputError: row with key 5 has no "
+                                             r"instruction_id_list .* on row 1 \(prompt 'b'\)"):
+        call_reward_fn(fn, "ifeval", ["a", "b"], ["x", "y"], [ROWS[0], {"key": 5, "prompt": "b"}])
+
+
+def test_data_without_ifeval_instructions_is_refused_up_front_in_one_line():
+    check_rows("ifeval", ["a", "b"], ROWS)
+    rows = ROWS + [{"prompt": "x"}, {"prompt": "y", "instruction_id_list": ["language:response_language"]},
+                   {"prompt": "z", "instruction_id_list": ["startend:end_checker"], "kwargs": [{}]}]
+    with pytest.raises(UserInputError) as e:
+        check_rows("ifeval", ["p"] * 5, rows, flag="--label_fn")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(
+        "--label_fn ifeval: 1 of 5 prompts have no instruction_id_list; 1 of 5 use unknown instruction ids "
+        "(language:response_language); 1 of 5 have unusable kwargs (first: ")
+    assert "missing ['end_phrase']" in message and "python -m utils.data.ifeval_data" in message
