@@ -1,6 +1,8 @@
 """IFEval's verifiable instructions (utils/ifeval.py): every checker on answers written by hand that keep and break
 it, IFEval's edge cases, a row's compliance share and its errors; the ``ifeval`` reward function as steps 2 and 3
-call it."""
+call it, and IFEval rows through the phase-3 data loader."""
+import json
+
 import pytest
 
 from utils.errors import UserInputError
@@ -197,3 +199,44 @@ def test_data_without_ifeval_instructions_is_refused_up_front_in_one_line():
         "--label_fn ifeval: 1 of 5 prompts have no instruction_id_list; 1 of 5 use unknown instruction ids "
         "(language:response_language); 1 of 5 have unusable kwargs (first: ")
     assert "missing ['end_phrase']" in message and "python -m utils.data.ifeval_data" in message
+
+
+# --------------------------------------------------------------------------- through the data loaders
+
+def _ifeval_rows(n):
+    return [{"key": i, "prompt": f"Write about topic {i}.", "instruction_id_list": ["punctuation:no_comma",
+                                                                                    "length_constraints:number_words"],
+             "kwargs": [{}, {"relation": "less than", "num_words": 5 + i}]} for i in range(n)]
+
+
+def test_prompt_only_and_builder_rows_get_a_layout():
+    from utils.data.local_datasets import detect_layout
+
+    assert detect_layout(["key", "prompt", "instruction_id_list", "kwargs"]) == "prompt_only"
+    assert detect_layout(["key", "prompt", "instruction", "instruction_id_list", "kwargs", "reference_output"]) == \
+        "prompt_only"  # the builder's rows: the prompt (with its constraints), not the bare instruction
+    assert detect_layout(["instruction", "input", "output", "prompt"]) == "alpaca"  # as before
+    assert detect_layout(["prompt", "rejected"]) == "prompt_chosen"  # still needs its chosen answer
+
+
+def test_ifeval_rows_reach_the_reward_function_through_phase_3(tmp_path):
+    from utils.data import data_utils as du
+    from utils.model.model_utils import load_hf_tokenizer
+
+    data = tmp_path / "ifeval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _ifeval_rows(30)))
+    tok = load_hf_tokenizer("tiny-opt")
+    train, _ = du.create_prompt_dataset(-1, [str(data)], "0,0,1", str(tmp_path / "cache"), 3, 1234, tok, 64)
+    batch = du.DataCollatorRLHF(64, tok.pad_token_id)(train.samples[:4])
+    for text, row in zip(batch["prompt_text"], batch["rows"]):
+        assert text == row["prompt"] == f" Human: Write about topic {row['key']}. Assistant:"
+        assert row["reference_answer"] is None
+        assert row["kwargs"][1] == {"relation": "less than", "num_words": 5 + row["key"]}
+    check_rows("ifeval", batch["prompt_text"], batch["rows"])
+    assert call_reward_fn(ifeval, "ifeval", batch["prompt_text"], ["one two, three"] * 4, batch["rows"]) == [0.5] * 4
+    # the comparison collector's loader gives the same rows
+    prompts = du.phase_prompts([str(data)], "0,0,1", str(tmp_path / "split"), 3, 1234)["train"]
+    assert len(prompts) == 27 and all(row["instruction_id_list"] == _ifeval_rows(1)[0]["instruction_id_list"]
+                                      for _, row in prompts)
+    with pytest.raises(UserInputError, match="no usable rows for phase 1"):  # no answers to imitate in them
+        du.create_prompt_dataset(-1, [str(data)], "1,0,0", str(tmp_path / "cache1"), 1, 1234, tok, 64)
