@@ -1,10 +1,12 @@
 """IFEval's verifiable instructions (utils/ifeval.py): every checker on answers written by hand that keep and break
 it, IFEval's edge cases, a row's compliance share and its errors; the ``ifeval`` reward function as steps 2 and 3
-call it, and IFEval rows through the phase-3 data loader."""
+call it, IFEval rows through the phase-3 data loader, and the data builder (utils/data/ifeval_data.py)."""
 import json
 
 import pytest
 
+from tests.conftest import shared_data
+from utils.data import ifeval_data as builder
 from utils.errors import UserInputError
 from utils.ifeval import INSTRUCTIONS, check, compliance, count_sentences, count_words, describe, instructions_of
 from utils.reward_functions import call_reward_fn, check_rows, ifeval, load_reward_fn
@@ -240,3 +242,97 @@ def test_ifeval_rows_reach_the_reward_function_through_phase_3(tmp_path):
                                       for _, row in prompts)
     with pytest.raises(UserInputError, match="no usable rows for phase 1"):  # no answers to imitate in them
         du.create_prompt_dataset(-1, [str(data)], "1,0,0", str(tmp_path / "cache1"), 1, 1234, tok, 64)
+
+
+# --------------------------------------------------------------------------- the data builder
+
+def _alpaca(n=40):
+    rows = [{"instruction": f"Describe the colour number {i} in detail", "input": "",
+             "output": f"Colour {i} glows warmly, shimmering against quiet evening skies."} for i in range(n)]
+    rows += [{"instruction": "Translate this", "input": "bonjour", "output": "hello"},  # has an input: left out
+             {"instruction": "Describe the colour number 3 in detail", "input": "", "output": "again"}]  # duplicate
+    return rows
+
+
+def _build(tmp_path, name, seed=7, heldout=10, rows=None):
+    src = tmp_path / "alpaca.json"
+    src.write_text(json.dumps(rows or _alpaca()))
+    out = tmp_path / name
+    assert builder.main(["--alpaca", str(src), "--out", str(out), "--seed", str(seed), "--heldout", str(heldout)]) == 0
+    return {f: [json.loads(line) for line in (out / f).read_text().splitlines()] for f in builder.OUTPUTS}, out
+
+
+def test_builder_is_deterministic_and_splits_by_instruction(tmp_path):
+    files, out = _build(tmp_path, "a")
+    again, out2 = _build(tmp_path, "b")
+    assert all((out / f).read_bytes() == (out2 / f).read_bytes() for f in builder.OUTPUTS)
+    train, held, plain = (files[f] for f in builder.OUTPUTS)
+    assert len(train) == 30 and len(held) == len(plain) == 10  # 40 distinct instructions with no input
+    assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
+    assert [(r["key"], r["instruction"], r["reference_output"]) for r in plain] == \
+        [(r["key"], r["instruction"], r["reference_output"]) for r in held]
+    assert all(r["prompt"] == r["instruction"] and "instruction_id_list" not in r for r in plain)
+    assert {r["key"] for r in train + held} == set(range(40)) and "Translate this" not in str(train + held)
+    other, _ = _build(tmp_path, "c", seed=8)
+    assert {r["key"] for r in other["heldout.jsonl"]} != {r["key"] for r in held}  # the seed moves the split
+
+
+def test_builder_rows_are_ifeval_rows_whose_kwargs_check(tmp_path):
+    files, _ = _build(tmp_path, "a")
+    for row in files["train.jsonl"] + files["heldout.jsonl"]:
+        assert set(row) == {"key", "prompt", "instruction_id_list", "kwargs", "instruction", "reference_output"}
+        assert len(row["kwargs"]) == len(row["instruction_id_list"]) in (1, 2)
+        pairs = instructions_of(row)  # known ids, kwargs as the checkers take them
+        assert row["prompt"] == " ".join([builder.with_period(row["instruction"])] + [describe(i, k) for i, k in pairs])
+        assert all(isinstance(check(i, k, row["reference_output"]), bool) for i, k in pairs)
+        assert 0.0 <= compliance(row, row["reference_output"]) <= 1.0
+
+
+def test_drawn_constraints_never_contradict():
+    seen, kinds = set(), set()
+    for i in range(600):
+        instruction = f"Explain topic {i} to a curious student"
+        output = "Curious students learn quickly when examples connect ideas to everyday experiences."
+        prompt, ids, kwargs = builder.constrain(instruction, output, seed=1234)
+        kinds.update(ids)
+        seen.add(len(ids))
+        if len(ids) == 2:
+            assert builder.compatible(*ids), ids
+        for i_, k in zip(ids, kwargs):
+            if i_ == "keywords:forbidden_words":  # never a word the rest of the prompt asks for
+                rest = prompt.replace(describe(i_, k), "")
+                assert check(i_, k, rest), (prompt, k)
+        assert ids[-1] == "combination:repeat_prompt" or "combination:repeat_prompt" not in ids
+    assert kinds == set(builder.DRAWS) and seen == {1, 2} and len(kinds) >= 12
+    for a, b in [("change_case:english_lowercase", "change_case:english_capital"),
+                 ("length_constraints:number_words", "detectable_format:number_bullet_lists"),
+                 ("detectable_format:json_format", "detectable_format:title"),
+                 ("startend:quotation", "detectable_format:title")]:
+        assert not builder.compatible(a, b) and not builder.compatible(b, a)
+    assert builder.compatible("keywords:existence", "keywords:forbidden_words")
+
+
+def test_builder_refuses_bad_input_in_one_line(tmp_path, capsys):
+    _, out = _build(tmp_path, "a")
+    src = tmp_path / "alpaca.json"
+    assert builder.main(["--alpaca", str(src), "--out", str(out)]) == 2  # earlier files, no --overwrite
+    assert builder.main(["--alpaca", str(src), "--out", str(tmp_path / "n"), "--heldout", "40"]) == 2
+    (tmp_path / "bad.json").write_text(json.dumps([{"instruction": "x", "output": 3}]))
+    assert builder.main(["--alpaca", str(tmp_path / "bad.json"), "--out", str(tmp_path / "m")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [f"error: --out {out} already holds train.jsonl, heldout.jsonl, heldout_plain.jsonl; pass "
+                      "--overwrite to replace them, or give another --out",
+                      "error: --alpaca: 40 distinct instructions with an empty input; --heldout 40 leaves none to "
+                      "train on (give more rows or a smaller --heldout)",
+                      f"error: --alpaca {tmp_path / 'bad.json'}: row 1: field 'output' must be a string, got int"]
+    assert builder.main(["--alpaca", str(src), "--out", str(out), "--heldout", "10", "--overwrite"]) == 0
+
+
+def test_builder_on_the_shared_alpaca_demo(tmp_path):
+    src = shared_data("llama-factory-demo", "alpaca_en_demo.json")
+    out = tmp_path / "ifeval"
+    assert builder.main(["--alpaca", str(src), "--out", str(out), "--seed", "1234"]) == 0
+    train, held = ([json.loads(x) for x in (out / f).read_text().splitlines()] for f in builder.OUTPUTS[:2])
+    assert len(held) >= 200 and len(train) >= 300
+    assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
+    assert all(0.0 <= compliance(r, r["reference_output"]) <= 1.0 for r in train + held)
