@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Extra flags for step {n}'s main.py, one quoted string (they win over train.py's).")
     p.add_argument("--label-fn", default=None, metavar="SPEC",
                    help="Before step 2, sample answers from the step-1 actor and rank them with this labelling "
-                        "function (built-in builtin_preference, builtin_rule, gsm8k, or path/to/file.py:function); "
+                        "function (built-in builtin_preference, builtin_rule, gsm8k, ifeval, or "
+                        "path/to/file.py:function); "
                         f"step 2 trains on those comparisons. Default with --demo: {DEMO_LABEL_FN}.")
     p.add_argument("--collect-args", default="", metavar="ARGS",
                    help="Extra flags for the comparison collector (step2_reward_model_finetuning/"

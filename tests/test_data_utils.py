@@ -143,7 +143,7 @@ def test_phase3_rows_carry_gsm8k_reference_answers(tmp_path, tok):
     for sample in train.samples:
         row = sample["row"]
         n = int(row["question"].split()[2])
-        assert row["reference_answer"].endswith(f"#### {n + 1}") and "meta" not in row  # plain fields only
+        assert row["reference_answer"].endswith(f"#### {n + 1}") and row["meta"] == {"nested": True}  # JSON values
         assert sample["prompt"].endswith("Assistant:") and row["question"] in sample["prompt"]
 
 

@@ -19,7 +19,9 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
   −2 for another object, −6 for a broken answer), the order ``builtin/preference``'s pairs are drawn
   in: finer than the rule score (it tells two good words from one), the demo's labeller;
 * ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
-  else 0.0.
+  else 0.0;
+* ``ifeval``: the share of the row's IFEval instructions (``instruction_id_list`` and ``kwargs``) the
+  answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``.
 
 :func:`call_reward_fn` checks what a function returns: a function that raises, returns the wrong
 number of scores, or a non-finite or non-numeric score is a :class:`~utils.errors.UserInputError`
@@ -121,10 +123,53 @@ def _check_builtin_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     return None
 
 
-BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k}
+def ifeval(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The share of its row's IFEval instructions each answer keeps (IFEval's strict checks), in [0, 1]."""
+    from utils.ifeval import compliance
+
+    return [compliance(row, answer) for answer, row in zip(answers, rows)]
+
+
+def _check_ifeval_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
+    """Rows without ``instruction_id_list``, with an unknown instruction id or unusable kwargs: counted, in one
+    line."""
+    from utils.ifeval import INSTRUCTIONS, instructions_of
+
+    missing, unknown_rows, unknown, bad, first_bad = 0, 0, set(), 0, None
+    for row in rows:
+        ids = row.get("instruction_id_list")
+        if not isinstance(ids, list) or not ids:
+            missing += 1
+            continue
+        strange = {str(i) for i in ids if i not in INSTRUCTIONS}
+        if strange:
+            unknown_rows += 1
+            unknown |= strange
+            continue
+        try:
+            instructions_of(row)
+        except UserInputError as e:
+            bad += 1
+            first_bad = first_bad or str(e)
+    n = len(rows)
+    problems = []
+    if missing:
+        problems.append(f"{missing} of {n} prompts have no instruction_id_list")
+    if unknown_rows:
+        shown = ", ".join(sorted(unknown)[:5]) + (", …" if len(unknown) > 5 else "")
+        problems.append(f"{unknown_rows} of {n} use unknown instruction ids ({shown})")
+    if bad:
+        problems.append(f"{bad} of {n} have unusable kwargs (first: {first_bad})")
+    if not problems:
+        return None
+    return ("; ".join(problems) + f"; ifeval scores IFEval-format rows (prompt, instruction_id_list, kwargs) with "
+            f"the {len(INSTRUCTIONS)} instruction ids of utils/ifeval.py, e.g. from python -m utils.data.ifeval_data")
+
+
+BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k, "ifeval": ifeval}
 # Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
 ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows,
-              "gsm8k": _check_gsm8k_rows}
+              "gsm8k": _check_gsm8k_rows, "ifeval": _check_ifeval_rows}
 
 
 # --------------------------------------------------------------------------- loading
@@ -160,7 +205,7 @@ def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
 
 def check_rows(spec: str, prompts: List[str], rows: List[dict], flag: str = "--reward_fn") -> None:
     """Before training: the data a built-in function needs is there (gsm8k: reference answers; builtin_rule:
-    built-in prompts)."""
+    built-in prompts; ifeval: IFEval instructions it knows)."""
     check = ROW_CHECKS.get(spec)
     problem = check(prompts, rows) if check is not None else None
     if problem:

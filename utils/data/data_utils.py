@@ -15,9 +15,10 @@ phase    one sample                           collated batch
          text, "row": the dataset row}        prompt_text and rows: lists of the texts and rows
 =======  ===================================  =====================================================
 
-A phase-3 ``row`` is the dataset row's fields (those holding text, numbers, booleans or
-None) plus ``"reference_answer"``: the answer the adapter reads from the row (a ``chosen``
-answer, gsm8k's worked solution), or None. Reward functions read it (:mod:`utils.reward_functions`).
+A phase-3 ``row`` is the dataset row's fields (those holding JSON values: text, numbers, booleans,
+None, and lists and objects of them, such as IFEval's ``instruction_id_list`` and ``kwargs``) plus
+``"reference_answer"``: the answer the adapter reads from the row (a ``chosen`` answer, gsm8k's worked
+solution), or None. Reward functions read it (:mod:`utils.reward_functions`).
 
 With ``--apply_chat_template`` (``apply_chat_template=True``) the texts are the tokenizer's chat template's
 (:mod:`utils.data.chat_template`): the prompt is the row's messages with the generation prompt, the answer the
@@ -48,12 +49,16 @@ import torch
 from torch.utils.data import Dataset
 
 from utils.data.chat_template import chat_format
+from utils.data.local_datasets import PROMPT_MESSAGES
 from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
 from utils.reward_functions import REFERENCE
 
 CACHE_VERSION = 2  # 2: phase-3 samples carry their prompt text and dataset row
+# Phase 3's rows (portable_row), in phase 3's cache key only (steps 1 and 2 keep theirs, and their resumes):
+# 2: list and object fields kept (IFEval's instruction_id_list and kwargs)
+ROW_FIELDS_VERSION = 2
 
 
 class PromptDataset(Dataset):
@@ -81,10 +86,23 @@ def _blank(text) -> bool:
     return text is None or not str(text).strip()
 
 
+def _json_value(value) -> bool:
+    """Is ``value`` plain data: None, text, a number, a boolean, or a list or string-keyed object of them?"""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_value(v) for k, v in value.items())
+    return False
+
+
 def portable_row(raw_dataset, row) -> dict:
-    """The phase-3 ``row`` of a sample (module docstring): plain fields only, so the cache and the step-3
-    checkpoints load with ``torch.load(weights_only=True)``; ``"reference_answer"`` from the adapter."""
-    fields = {k: v for k, v in dict(row).items() if v is None or isinstance(v, (str, int, float, bool))}
+    """The phase-3 ``row`` of a sample (module docstring): JSON values only (lists kept as lists), so the cache
+    and the step-3 checkpoints load with ``torch.load(weights_only=True)``; not the loader's own
+    ``prompt_messages``; ``"reference_answer"`` from the adapter."""
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dict(row).items()
+              if k != PROMPT_MESSAGES and _json_value(v)}
     try:
         reference = raw_dataset.get_chosen(row)
     except Exception:  # noqa: BLE001 - an adapter without answers (prompt-only data)
@@ -222,12 +240,15 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
               sft_only_data_path, fingerprints, chat_template: str | None = None) -> str:
     """sha256 over everything that changes the tokenised result (see module docstring); ``chat_template``: the
-    template's text when it is applied (without one the key is what it always was)."""
+    template's text when it is applied (without one the key is what it always was); phase 3's also holds the
+    version of its rows' fields."""
     parts = dict(version=CACHE_VERSION, data_path=list(data_path), fingerprints=fingerprints,
                  data_split=data_split, phase=train_phase, seed=seed, tokenizer=_tokenizer_fingerprint(tokenizer),
                  max_seq_len=max_seq_len, eot=end_of_conversation_token, sft_only=list(sft_only_data_path))
     if chat_template is not None:
         parts["chat_template"] = chat_template
+    if train_phase == 3:
+        parts["row_fields"] = ROW_FIELDS_VERSION
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 

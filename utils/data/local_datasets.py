@@ -8,7 +8,8 @@
   (Dataset or DatasetDict), or a folder holding ``train*`` and ``eval|validation|
   valid|dev|test*`` files of those formats (also under ``data/``, shards allowed, e.g.
   ``train-00000-of-00002.parquet``). Row layouts, detected from the first row's keys:
-  ``prompt``+``chosen`` (+``rejected``); ``chosen``+``rejected`` full hh-rlhf
+  ``prompt``+``chosen`` (+``rejected``); ``prompt`` alone (prompts for step 3 and the comparison
+  collector, e.g. IFEval's rows; steps 1 and 2 find no answers in them); ``chosen``+``rejected`` full hh-rlhf
   conversations; LLaMA-Factory ``conversations`` (+``chosen``/``rejected``
   preference, or SFT when absent); alpaca ``instruction``/``input``/``output`` (or
   ``chosen``/``rejected``); ``question``/``answer`` (gsm8k);
@@ -109,11 +110,12 @@ class LocalJsonFileDataset(PromptRawDataset):
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _DSCHAT_PREFIX = {"user": " Human: ", "assistant": " Assistant: ", "system": " "}
 # The prompt's turns as chat messages, kept in the rows of the layouts that have them as fields
-# (read by LocalPathDataset.get_prompt_messages for --apply_chat_template; a list, so never a phase-3 row field)
+# (read by LocalPathDataset.get_prompt_messages for --apply_chat_template; never a phase-3 row field)
 PROMPT_MESSAGES = "prompt_messages"
 
 LOCAL_LAYOUTS = (
     '{"prompt", "chosen"[, "rejected"]}',
+    '{"prompt"} alone (step 3\'s prompts)',
     '{"chosen", "rejected"} full "\\n\\nHuman: ... \\n\\nAssistant: ..." conversations',
     'LLaMA-Factory {"conversations": [{"from", "value"}], "chosen", "rejected"} (or SFT without chosen)',
     'alpaca {"instruction", "input", "output"} (or "chosen"/"rejected" instead of "output")',
@@ -122,14 +124,17 @@ LOCAL_LAYOUTS = (
 
 
 def detect_layout(keys):
-    """The row layout of a local file from its first row's keys (None if unknown)."""
+    """The row layout of a local file from its first row's keys (None if unknown). A row with ``instruction`` and
+    ``prompt`` but no answer (``output``/``chosen``/``rejected``) is a prompt row, not alpaca: the IFEval data
+    builder's (:mod:`utils.data.ifeval_data`) keep the bare instruction beside the prompt."""
     keys = set(keys)
+    answers = keys & {"output", "chosen", "rejected"}
     if "conversations" in keys:
         return "conversations_pairwise" if "chosen" in keys else "conversations_sft"
-    if "instruction" in keys:
+    if "instruction" in keys and (answers or "prompt" not in keys):
         return "alpaca_pairwise" if "chosen" in keys and "output" not in keys else "alpaca"
     if "prompt" in keys:
-        return "prompt_chosen"
+        return "prompt_chosen" if answers else "prompt_only"
     if "chosen" in keys and "rejected" in keys:
         return "hh"
     if "question" in keys and "answer" in keys:
@@ -206,9 +211,9 @@ def _canonical_row(layout, reader):
     """{"prompt", "chosen", "rejected"} already in the text convention (and, for the layouts whose turns are
     fields, the prompt's messages under PROMPT_MESSAGES)."""
     row = reader.row
-    if layout == "prompt_chosen":
+    if layout in ("prompt_chosen", "prompt_only"):  # prompt-only rows: chosen (and rejected) may be absent
         return {"prompt": normalize_prompt(reader.text("prompt")),
-                "chosen": normalize_answer(reader.text("chosen")),
+                "chosen": normalize_answer(reader.text("chosen", required=layout == "prompt_chosen")),
                 "rejected": normalize_answer(reader.text("rejected", required=False))}
     if layout == "hh":
         chosen, rejected = reader.text("chosen"), reader.text("rejected")

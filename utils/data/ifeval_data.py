@@ -1,0 +1,314 @@
+"""IFEval-style prompts from alpaca instructions: each with one or two verifiable constraints written after it.
+
+    python -m utils.data.ifeval_data --alpaca ../shared/data/llama-factory-demo/alpaca_en_demo.json \\
+        --out DIR --seed 1234
+    python step3_rlhf_finetuning/main.py --data_path DIR/train.jsonl --data_split 0,0,1 --reward_fn ifeval ...
+
+The alpaca rows with an empty ``input`` give the instructions (one row per distinct instruction, the first).
+Each instruction gets one constraint, or two (half of them), as IFEval writes them: its text after the
+instruction ("Describe a process of making crepes. Answer with less than 40 words."). The types and their
+parameters are drawn from :data:`DRAWS` by a generator seeded with ``--seed`` and the instruction's text, so
+an instruction's constraints do not depend on the other rows; a second constraint is never one of
+:data:`CONFLICTS` with the first. :data:`DRAWS`, one line per type:
+
+===================================================  =============================================================
+type (IFEval's id)                                   parameters drawn
+===================================================  =============================================================
+``change_case:english_lowercase``                    none
+``change_case:english_capital``                      none
+``punctuation:no_comma``                             none
+``startend:end_checker``                             ``end_phrase``: one of :data:`END_PHRASES`
+``startend:quotation``                               none
+``keywords:existence``                               ``keywords``: 1-2 words of the instruction and alpaca's answer
+``keywords:forbidden_words``                         ``forbidden_words``: 1-2 words of alpaca's answer, not in the
+                                                     rest of the prompt: a natural answer must avoid them
+``length_constraints:number_words``                  "less than" 20/30/40/50, or "at least" 20/40/60 words
+``length_constraints:number_sentences``              "less than" 2/3/4, or "at least" 2/3/4/5 sentences
+``length_constraints:number_paragraphs``             2-4 paragraphs (``***`` dividers)
+``detectable_format:number_bullet_lists``            2-5 bullets
+``detectable_format:number_highlighted_sections``    at least 1-3 ``*highlights*``
+``detectable_format:json_format``                    none
+``detectable_format:title``                          none
+``detectable_content:postscript``                    ``postscript_marker``: "P.S." or "P.P.S"
+``detectable_content:number_placeholders``           at least 1-3 ``[placeholders]``
+``combination:repeat_prompt``                        ``prompt_to_repeat``: the instruction (its text comes last)
+===================================================  =============================================================
+
+Output in ``--out``: ``train.jsonl`` and ``heldout.jsonl``, IFEval's rows (``key``: the row's place in the
+alpaca file, ``prompt``, ``instruction_id_list``, ``kwargs``) plus ``instruction`` (the bare instruction) and
+``reference_output`` (alpaca's ``output``); ``--heldout`` instructions (those first in the order of
+``sha256(seed:instruction)``, a split fixed by the seed) go to ``heldout.jsonl`` and never to training; and
+``heldout_plain.jsonl``, the same held-out instructions with no constraint (``prompt`` = the instruction), for a
+content guard: that answering with constraints did not cost the answers' quality. Pure Python: no torch import.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+from typing import Callable, Dict, List, Tuple
+
+from utils.errors import BAD_INPUT, UserInputError
+from utils.ifeval import RELATIONS, describe
+
+OUTPUTS = ("train.jsonl", "heldout.jsonl", "heldout_plain.jsonl")
+END_PHRASES = ("Any other questions?", "Is there anything else I can help with?",
+               "Let me know if you have any other questions.")
+POSTSCRIPT_MARKERS = ("P.S.", "P.P.S")
+TWO_CONSTRAINTS = 0.5  # the share of instructions that get a second constraint
+
+LOWER, CAPITAL = "change_case:english_lowercase", "change_case:english_capital"
+NO_COMMA, END, QUOTE = "punctuation:no_comma", "startend:end_checker", "startend:quotation"
+KEYWORDS, FORBIDDEN = "keywords:existence", "keywords:forbidden_words"
+WORDS, SENTENCES = "length_constraints:number_words", "length_constraints:number_sentences"
+PARAGRAPHS, BULLETS = "length_constraints:number_paragraphs", "detectable_format:number_bullet_lists"
+HIGHLIGHTS, JSON, TITLE = ("detectable_format:number_highlighted_sections", "detectable_format:json_format",
+                           "detectable_format:title")
+POSTSCRIPT, PLACEHOLDERS = "detectable_content:postscript", "detectable_content:number_placeholders"
+REPEAT = "combination:repeat_prompt"
+
+
+class Context:
+    """What a draw may use: the instruction and the words of alpaca's answer to it."""
+
+    def __init__(self, instruction: str, output: str):
+        self.instruction = instruction
+        own = content_words(instruction)
+        self.output_words = content_words(output)
+        self.topic_words = own + [w for w in self.output_words if w not in own]
+
+
+def _relation(rng: random.Random, name: str, less_than: Tuple[int, ...], at_least: Tuple[int, ...]) -> dict:
+    relation = rng.choice(RELATIONS)
+    return {"relation": relation, name: rng.choice(less_than if relation == "less than" else at_least)}
+
+
+def _some(rng: random.Random, words: List[str], fallback: Tuple[str, ...]) -> List[str]:
+    """1 or 2 of ``words`` (of ``fallback`` when there are too few), in drawn order."""
+    pool = words if len(words) >= 2 else [w for w in fallback if w not in words]
+    return rng.sample(pool, rng.randint(1, 2))
+
+
+FALLBACK_WORDS = ("simple", "clear", "example", "important", "people", "future", "change", "answer", "reason",
+                  "world")
+
+# How each type's kwargs are drawn (the module docstring's table); keywords:forbidden_words is drawn last, by
+# _forbidden, as it must avoid the rest of the prompt.
+DRAWS: Dict[str, Callable[[random.Random, Context], dict]] = {
+    LOWER: lambda rng, c: {},
+    CAPITAL: lambda rng, c: {},
+    NO_COMMA: lambda rng, c: {},
+    END: lambda rng, c: {"end_phrase": rng.choice(END_PHRASES)},
+    QUOTE: lambda rng, c: {},
+    KEYWORDS: lambda rng, c: {"keywords": _some(rng, c.topic_words, FALLBACK_WORDS)},
+    FORBIDDEN: lambda rng, c: {},  # see _forbidden
+    WORDS: lambda rng, c: _relation(rng, "num_words", (20, 30, 40, 50), (20, 40, 60)),
+    SENTENCES: lambda rng, c: _relation(rng, "num_sentences", (2, 3, 4), (2, 3, 4, 5)),
+    PARAGRAPHS: lambda rng, c: {"num_paragraphs": rng.randint(2, 4)},
+    BULLETS: lambda rng, c: {"num_bullets": rng.randint(2, 5)},
+    HIGHLIGHTS: lambda rng, c: {"num_highlights": rng.randint(1, 3)},
+    JSON: lambda rng, c: {},
+    TITLE: lambda rng, c: {},
+    POSTSCRIPT: lambda rng, c: {"postscript_marker": rng.choice(POSTSCRIPT_MARKERS)},
+    PLACEHOLDERS: lambda rng, c: {"num_placeholders": rng.randint(1, 3)},
+    REPEAT: lambda rng, c: {"prompt_to_repeat": c.instruction},
+}
+TYPES = tuple(DRAWS)
+
+
+def _pairs(first: str, others) -> set:
+    return {frozenset((first, other)) for other in others if other != first}
+
+
+# Pairs never given together: IFEval's own conflicts among these types, and ours, each with its reason.
+CONFLICTS = frozenset(set().union(
+    _pairs(LOWER, [CAPITAL]),  # IFEval: opposite cases
+    _pairs(JSON, [t for t in TYPES if t not in (KEYWORDS, FORBIDDEN)]),  # IFEval: JSON leaves no room for layout
+    _pairs(REPEAT, [t for t in TYPES if t not in (KEYWORDS, TITLE)]),  # IFEval; and no_comma: the request may have one
+    _pairs(QUOTE, [TITLE]),  # IFEval
+    _pairs(SENTENCES, [PARAGRAPHS]),  # IFEval
+    _pairs(WORDS, [SENTENCES, BULLETS, PARAGRAPHS]),  # ours: a length limit can contradict a set layout
+    _pairs(SENTENCES, [BULLETS, END, POSTSCRIPT]),  # ours: a bullet, the end phrase or a postscript is a sentence
+    _pairs(BULLETS, [PARAGRAPHS, HIGHLIGHTS]),  # ours: a line opening with *highlight* counts as a bullet
+    _pairs(END, [LOWER, CAPITAL, POSTSCRIPT]),  # ours: the exact phrase has its own case; both want the last line
+    _pairs(POSTSCRIPT, [LOWER]),  # ours: the marker is written in capitals
+))
+
+
+def compatible(first: str, second: str) -> bool:
+    """May ``first`` and ``second`` be given together (two different types, not a pair of :data:`CONFLICTS`)?"""
+    return first != second and frozenset((first, second)) not in CONFLICTS
+
+
+_STOPWORDS = frozenset("""about above after again against along among another around because become before being
+below between could doing during either every first further having however itself might other others their
+theirs there these thing things those though three through together under until using whether which while would
+should where without within yours include including example""".split())
+
+
+def content_words(text: str) -> List[str]:
+    """The distinct words of five letters or more in ``text``, lower-cased, in order, common function words left
+    out: what keywords are drawn from."""
+    seen = []
+    for word in re.findall(r"[A-Za-z]{5,}", text.lower()):
+        if word not in _STOPWORDS and word not in seen:
+            seen.append(word)
+    return seen
+
+
+def _forbidden(rng: random.Random, context: Context, prompt_so_far: str, keywords: List[str]) -> dict:
+    """1-2 words of alpaca's answer that the rest of the prompt does not hold (as a word), nor the keywords."""
+    taken = set(content_words(prompt_so_far)) | {k.lower() for k in keywords}
+    words = [w for w in context.output_words if w not in taken]
+    return {"forbidden_words": _some(rng, words, tuple(w for w in FALLBACK_WORDS if w not in taken))}
+
+
+def with_period(instruction: str) -> str:
+    """The instruction ending in ``.``, ``?``, ``!`` or ``:`` (a period added otherwise), so a constraint's
+    text reads as a sentence of its own."""
+    text = instruction.strip()
+    return text if text[-1:] in ".?!:" else text + "."
+
+
+def constrain(instruction: str, output: str, seed: int) -> Tuple[str, List[str], List[dict]]:
+    """``(prompt, instruction ids, kwargs)``: one or two compatible constraints for ``instruction``, drawn with a
+    generator seeded by ``seed`` and the instruction's text, their texts after it (a repeat request's last)."""
+    rng = random.Random(f"{seed}:{instruction}")
+    ids = [rng.choice(TYPES)]
+    if rng.random() < TWO_CONSTRAINTS:
+        ids.append(rng.choice([t for t in TYPES if compatible(ids[0], t)]))
+    ids.sort(key=lambda t: t == REPEAT)
+    context = Context(instruction, output)
+    kwargs = {t: DRAWS[t](rng, context) for t in ids if t != FORBIDDEN}
+    if FORBIDDEN in ids:
+        rest = " ".join([instruction] + [describe(t, kwargs[t]) for t in kwargs])
+        kwargs[FORBIDDEN] = _forbidden(rng, context, rest, kwargs.get(KEYWORDS, {}).get("keywords", []))
+    kwargs = [kwargs[t] for t in ids]
+    prompt = " ".join([with_period(instruction)] + [describe(t, k) for t, k in zip(ids, kwargs)])
+    return prompt, ids, kwargs
+
+
+# --------------------------------------------------------------------------- reading alpaca
+
+def read_alpaca(path: str) -> List[dict]:
+    """The rows of an alpaca file (a JSON list, or JSON lines), each checked: ``instruction`` and ``output``
+    strings, ``input`` a string or absent."""
+    if not os.path.isfile(path):
+        raise UserInputError(f"--alpaca {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read().lstrip("\ufeff")
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[") else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as e:
+        raise UserInputError(f"--alpaca {path}: not a JSON list or JSON lines of alpaca rows ({e})") from None
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise UserInputError(f"--alpaca {path}: row {i} is not an object of alpaca fields")
+        for field in ("instruction", "input", "output"):
+            value = row.get(field)
+            if not isinstance(value, str) and not (field == "input" and value is None):
+                raise UserInputError(f"--alpaca {path}: row {i}: field {field!r} must be a string, got "
+                                     f"{type(value).__name__ if value is not None else 'nothing'}")
+    return rows
+
+
+def instructions(rows: List[dict]) -> List[Tuple[int, str, str]]:
+    """``(key, instruction, output)`` of every row with an empty ``input`` and a non-blank instruction; the first
+    row of an instruction given twice. ``key``: the row's place in the file (0-based)."""
+    found, seen = [], set()
+    for key, row in enumerate(rows):
+        instruction = row["instruction"].strip()
+        if (row.get("input") or "").strip() or not instruction or instruction in seen:
+            continue
+        seen.add(instruction)
+        found.append((key, instruction, row["output"]))
+    return found
+
+
+def split(items: List[Tuple[int, str, str]], heldout: int, seed: int) -> Tuple[list, list]:
+    """``(train, heldout)``: the ``heldout`` instructions first in the order of ``sha256(seed:instruction)`` are
+    held out; both keep the file's order."""
+    def rank(item):
+        return hashlib.sha256(f"{seed}:{item[1]}".encode()).hexdigest()
+
+    held = {item[1] for item in sorted(items, key=rank)[:heldout]}
+    return [i for i in items if i[1] not in held], [i for i in items if i[1] in held]
+
+
+def build(rows: List[dict], seed: int, heldout: int) -> Dict[str, List[dict]]:
+    """The three files' rows (module docstring) from alpaca ``rows``."""
+    items = instructions(rows)
+    if len(items) <= heldout:
+        raise UserInputError(f"--alpaca: {len(items)} distinct instructions with an empty input; --heldout {heldout} "
+                             "leaves none to train on (give more rows or a smaller --heldout)")
+    train, held = split(items, heldout, seed)
+
+    def constrained(item):
+        key, instruction, output = item
+        prompt, ids, kwargs = constrain(instruction, output, seed)
+        return {"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs,
+                "instruction": instruction, "reference_output": output}
+
+    plain = [{"key": key, "prompt": instruction, "instruction": instruction, "reference_output": output}
+             for key, instruction, output in held]
+    return {"train.jsonl": [constrained(i) for i in train], "heldout.jsonl": [constrained(i) for i in held],
+            "heldout_plain.jsonl": plain}
+
+
+def _jsonl(rows: List[dict]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+# --------------------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    from utils.arguments import HelpFormatter
+
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
+    p.add_argument("--alpaca", required=True, help="An alpaca file (JSON list or lines of instruction/input/output).")
+    p.add_argument("--out", required=True, help="The folder train.jsonl, heldout.jsonl and heldout_plain.jsonl go to.")
+    p.add_argument("--seed", type=int, default=1234, help="Seeds the split and the constraints drawn.")
+    p.add_argument("--heldout", type=int, default=200, help="Instructions held out of training (≥ 1).")
+    p.add_argument("--overwrite", action="store_true", help="Replace the files an earlier run wrote in --out.")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Write the three files; a mistake of the user's is one ``error:`` line and exit 2."""
+    from utils.files import atomic_write_text
+
+    args = parse_args(argv)
+    try:
+        if args.heldout < 1:
+            raise UserInputError(f"--heldout must be ≥ 1, got {args.heldout}")
+        earlier = [name for name in OUTPUTS if os.path.exists(os.path.join(args.out, name))]
+        if earlier and not args.overwrite:
+            raise UserInputError(f"--out {args.out} already holds {', '.join(earlier)}; pass --overwrite to replace "
+                                 "them, or give another --out")
+        files = build(read_alpaca(args.alpaca), args.seed, args.heldout)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            for name, rows in files.items():
+                atomic_write_text(os.path.join(args.out, name), _jsonl(rows))
+        except OSError as e:
+            raise UserInputError(f"--out {args.out}: cannot write there ({e.strerror or e})") from None
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return BAD_INPUT
+    counts = {}
+    for row in files["train.jsonl"] + files["heldout.jsonl"]:
+        for t in row["instruction_id_list"]:
+            counts[t] = counts.get(t, 0) + 1
+    print(f"wrote {args.out}: train.jsonl {len(files['train.jsonl'])} rows, heldout.jsonl and heldout_plain.jsonl "
+          f"{len(files['heldout.jsonl'])} rows each; constraints: "
+          + ", ".join(f"{t.split(':')[1]} {n}" for t, n in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
