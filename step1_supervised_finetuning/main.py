@@ -111,6 +111,7 @@ def main(args):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
         accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
+        tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
         for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step1 epoch {epoch + 1}",
                                                      step):
             if finished():
@@ -122,6 +123,7 @@ def main(args):
             model.backward(loss)
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
+            tokens += int(batch["attention_mask"].sum())
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
             # the step's one host sync; a NaN in any micro-batch of the step stops the run before any save
@@ -131,7 +133,8 @@ def main(args):
             step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0])
+            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0], tokens=tokens)
+            tokens = 0
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          args.per_device_train_batch_size, batch["input_ids"].shape[1],

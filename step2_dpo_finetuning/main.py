@@ -177,6 +177,7 @@ def main(args):
     for epoch in range(start_epoch, args.num_train_epochs):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
+        tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
         for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"dpo epoch {epoch + 1}",
                                                      step):
             if args.max_steps and step >= args.max_steps:
@@ -187,13 +188,15 @@ def main(args):
             check_finite(step + 1, loss=out["loss"])
             model.backward(out["loss"])
             model.step()
+            tokens += int(batch["attention_mask"].sum())
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
             step = model.global_steps
             stats = summarize(out)
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
-            log.scalars(step, "train", lr=model.get_lr()[0], **stats)
+            log.scalars(step, "train", lr=model.get_lr()[0], tokens=tokens, **stats)
+            tokens = 0
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],

@@ -142,6 +142,7 @@ def main(args):
         skip = skip_batches if epoch == start_epoch else 0
         model.train()
         loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if skip else (0.0, 0)
+        tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
         for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step2 epoch {epoch + 1}",
                                                      step):
             if args.max_steps and step >= args.max_steps:
@@ -154,12 +155,14 @@ def main(args):
             loss_value = loss.item()  # the micro-step's one host sync (a NaN stops the run before any save)
             check_finite(step + 1, loss=loss_value)
             loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
+            tokens += int(batch["attention_mask"].sum())
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
             step = model.global_steps
             if args.print_loss:
                 log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0])
+            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0], tokens=tokens)
+            tokens = 0
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
                                          2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],

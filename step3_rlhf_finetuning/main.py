@@ -465,7 +465,7 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
             log.info(line)
     lrs = {f"{name}_lr": model.get_lr()[0] for name, model in (("actor", engine.actor), ("critic", engine.critic))
            if model is not None}
-    log.scalars(progress.rl_step, "train", **metrics, **lrs,
+    log.scalars(progress.rl_step, "train", **metrics, **lrs, tokens=info["tokens"], samples=info["sequences"],
                 **{k: perf[k] for k in ("e2e_latency", "gen_latency", "train_latency", "e2e_tflops", "gen_tflops",
                                         "train_tflops", "samples_per_sec", "gen_tokens_per_sec")})
     return metrics

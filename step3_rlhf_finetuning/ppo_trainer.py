@@ -399,8 +399,9 @@ class DeepSpeedPPOTrainer:
         counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
         kept, dropped = (int(round(c)) for c in counts.tolist())
         info = {"generate": generate_time, "generated_tokens": generated, "sequences": len(seq), "dropped": dropped,
-                "kept": kept, "tokens": int(mask.sum()) + int(answer_len.sum())}
+                "kept": kept}
         answer_mask = answer_action_mask(answer_ids, self.end_token_ids)
+        info["tokens"] = int(mask.sum()) + int(answer_mask.sum())  # real tokens: prompts and answers (their end)
         attention_mask = torch.cat([mask.long(), answer_mask], dim=1)
         action_mask = answer_mask * valid[:, None]
         rollout = Rollout(prompts=prompts, input_ids=seq, attention_mask=attention_mask, action_mask=action_mask,

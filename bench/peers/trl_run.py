@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""One TRL trainer on the peer bench's data, timed step by step: run by ``bench/bench_peers.py`` inside the peer
+virtual environment (TRL is never a dependency of this project; this file imports it and nothing of the project
+except the pure-Python gsm8k reward, through ``PYTHONPATH``).
+
+    python bench/peers/trl_run.py grpo --model DIR --data FILE --out DIR --steps 8 [--batch 16 ...]
+
+Writes ``OUT/steps.jsonl``: one line per optimizer step, ``{"step", "time", "tokens", "samples"}`` (``time``: wall
+clock at the step's end; ``tokens``: the real (not padding) tokens of the step's sequences; ``samples``:
+completions for GRPO and SFT sequences, pairs for the reward model and DPO).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def mask_tokens(inputs: dict, counted: tuple) -> int:
+    """Real tokens of a batch: the sums of its attention masks named in ``counted`` (key, weight)."""
+    return int(sum(weight * inputs[key].sum().item() for key, weight in counted if key in inputs))
+
+
+class StepLog:
+    """A ``TrainerCallback`` writing one line per optimizer step (tokens counted by the wrapped training step)."""
+
+    def __init__(self, path: str, samples: int):
+        from transformers import TrainerCallback
+
+        self.path, self.samples, self.tokens, self.lines = path, samples, 0, []
+        log = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                log.lines.append({"step": state.global_step, "time": time.time(), "tokens": log.tokens,
+                                  "samples": log.samples})
+                log.tokens = 0
+                with open(log.path, "w") as f:
+                    f.writelines(json.dumps(line) + "\n" for line in log.lines)
+
+            def on_log(self, args, state, control, logs=None, **kwargs):  # GRPO: cumulative num_tokens
+                if logs and "num_tokens" in logs:
+                    log.num_tokens.append(logs["num_tokens"])
+
+        self.callback = Callback()
+        self.num_tokens = []
+
+
+def common_args(args) -> dict:
+    return dict(output_dir=os.path.join(args.out, "trl"), max_steps=args.steps, logging_steps=1,
+                learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False,
+                fp16=False, report_to=[], save_strategy="no", eval_strategy="no", seed=1234,
+                gradient_checkpointing=False, gradient_accumulation_steps=1, dataloader_num_workers=0,
+                model_init_kwargs={"dtype": "float32"})
+
+
+def run_grpo(args, log: StepLog):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from utils.reward_functions import gsm8k
+
+    rows = read_jsonl(args.data)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                              for r in rows])
+
+    def reward(prompts, completions, answer, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return gsm8k(["" for _ in texts], texts, [{"reference_answer": a} for a in answer])
+
+    config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
+                        max_completion_length=args.answer_len, temperature=1.0, top_p=1.0, top_k=0, beta=args.beta,
+                        loss_type="grpo", scale_rewards="group", epsilon=0.2, num_iterations=1)
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
+    trainer.add_callback(log.callback)
+    trainer.train()
+    # tokens per step from TRL's own cumulative count (prompt + completion tokens, padding excluded)
+    counts = [0] + log.num_tokens
+    for line, (before, after) in zip(log.lines, zip(counts, counts[1:])):
+        line["tokens"] = int(after - before)
+
+
+def _wrap_counting(trainer, log: StepLog, counted: tuple):
+    step = trainer.training_step
+
+    def training_step(model, inputs, *rest, **kwargs):
+        log.tokens += mask_tokens(inputs, counted)
+        return step(model, inputs, *rest, **kwargs)
+
+    trainer.training_step = training_step
+
+
+def run_sft(args, log: StepLog):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_list([{"prompt": r["prompt"], "completion": [{"role": "assistant", "content": r["chosen"]}]}
+                              for r in read_jsonl(args.data)])
+    config = SFTConfig(**common_args(args), per_device_train_batch_size=args.batch, max_length=args.max_len,
+                       packing=False, padding_free=False)
+    trainer = SFTTrainer(model=args.model, args=config, train_dataset=data)
+    _wrap_counting(trainer, log, (("attention_mask", 1),))
+    trainer.add_callback(log.callback)
+    trainer.train()
+
+
+def _pairs(path):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                               "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+                              for r in read_jsonl(path)])
+
+
+def run_rm(args, log: StepLog):
+    from trl import RewardConfig, RewardTrainer
+
+    config = RewardConfig(**common_args(args), per_device_train_batch_size=args.batch, max_length=args.max_len)
+    trainer = RewardTrainer(model=args.model, args=config, train_dataset=_pairs(args.data))
+    _wrap_counting(trainer, log, (("attention_mask", 1), ("chosen_attention_mask", 1),
+                                  ("rejected_attention_mask", 1)))
+    trainer.add_callback(log.callback)
+    trainer.train()
+
+
+def run_dpo(args, log: StepLog):
+    from trl import DPOConfig, DPOTrainer
+
+    config = DPOConfig(**common_args(args), per_device_train_batch_size=args.batch, max_length=args.max_len,
+                       beta=0.1, loss_type="sigmoid", precompute_ref_log_probs=False)
+    trainer = DPOTrainer(model=args.model, args=config, train_dataset=_pairs(args.data))
+    # [prompt + chosen; prompt + rejected]: the prompt's tokens count twice, as they are processed twice
+    _wrap_counting(trainer, log, (("attention_mask", 1), ("prompt_attention_mask", 2),
+                                  ("chosen_attention_mask", 1), ("rejected_attention_mask", 1),
+                                  ("completion_attention_mask", 1)))
+    trainer.add_callback(log.callback)
+    trainer.train()
+
+
+RUNNERS = {"grpo": run_grpo, "sft": run_sft, "rm": run_rm, "dpo": run_dpo}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trainer", choices=sorted(RUNNERS))
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True, help="the bench's jsonl (written by bench_peers.py)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4, help="samples per step (GRPO: completions)")
+    parser.add_argument("--group", type=int, default=4, help="GRPO: completions per prompt")
+    parser.add_argument("--answer_len", type=int, default=48)
+    parser.add_argument("--max_len", type=int, default=512)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log = StepLog(os.path.join(args.out, "steps.jsonl"), args.batch)
+    RUNNERS[args.trainer](args, log)
+    with open(log.path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in log.lines)
+
+
+if __name__ == "__main__":
+    main()
