@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean bench-peers
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q -ra --timeout 1800 tests
+
+# this project against TRL (its own venv, .venv-peers) on SmolLM2-135M-Instruct (../smollm2): bench/bench_peers.py
+bench-peers: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) bench/bench_peers.py
 
 clean:
 	rm -rf $(VENV) output .output.lock .pytest_cache

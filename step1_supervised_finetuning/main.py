@@ -24,10 +24,10 @@ from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.finite import check_finite
 from utils.lora import apply_lora
+from utils.model.lean_forward import label_loss
 from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
-from utils.rl_math import causal_lm_loss
 from utils.runtime import to_device
 from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
                             make_loaders, start_run, step_ds_config)
@@ -41,16 +41,12 @@ def parse_args(argv=None):
 
 def evaluate_perplexity(model, dataloader, device):
     """(perplexity, loss) over the eval set, averaged across ranks."""
-    from utils.rl_math import causal_lm_loss
-    from utils.runtime import to_device
-
     model.eval()
     total, batches = torch.zeros((), device=device), 0
     with torch.no_grad():
         for batch in dataloader:
             batch = to_device(batch, device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            total += causal_lm_loss(logits, batch["labels"])
+            total += label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
             batches += 1
     loss = get_all_reduce_mean(total / max(batches, 1)).item()
     model.train()
@@ -118,8 +114,7 @@ def main(args):
                 break
             start = time.time()
             batch = to_device(batch, device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            loss = causal_lm_loss(logits, batch["labels"])
+            loss = label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
             model.backward(loss)
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)

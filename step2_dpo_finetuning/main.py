@@ -34,7 +34,8 @@ from utils.lora import apply_lora
 from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
-from utils.rl_math import dpo_loss, sequence_log_probs
+from utils.model.lean_forward import pair_log_probs
+from utils.rl_math import dpo_loss
 from utils.runtime import to_device
 from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, frozen_ds_config,
                             load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
@@ -79,9 +80,9 @@ def dpo_batch(model, ref_model, batch, beta: float, label_smoothing: float) -> d
     ids, att = batch["input_ids"], batch["attention_mask"]
     B = ids.shape[0] // 2
     mask = dpo_loss_mask(ids, att)
-    logps = sequence_log_probs(model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids, mask)
+    logps = pair_log_probs(model, ids, att, mask)  # each pair's prompt once, the LM head on the answers alone
     with torch.no_grad():
-        ref_logps = sequence_log_probs(ref_model(input_ids=ids, attention_mask=att, use_cache=False).logits, ids, mask)
+        ref_logps = pair_log_probs(ref_model, ids, att, mask)
     loss, chosen_rewards, rejected_rewards = dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta,
                                                       label_smoothing)
     return {"loss": loss, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}

@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="Prompts generated together.")
     p.add_argument("--seed", type=seed_int, default=1234, help="Seed of the split and of the sampling.")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
+    p.add_argument("--apply_chat_template", action="store_true",
+                   help="Answer in the actor's chat template (as the steps' flag); the pairs keep the prompts' text, "
+                        "so step 2 reads them with --apply_chat_template too.")
     p.add_argument("--output_dir", required=True, help="Where train.jsonl, eval.jsonl and comparisons.json go.")
     p.add_argument("--overwrite", action="store_true", help="Replace the comparisons an earlier run wrote there.")
     add_trust_remote_code_arg(p)
@@ -78,6 +81,7 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
     """(pairs, pairs per prompt, scores) for one split's ``(prompt, row)`` list."""
     from tqdm import tqdm
 
+    from utils.data.chat_template import chat_format
     from utils.model.answers import generate_answers
 
     prompts = [p for p, _ in prompts_rows]
@@ -86,7 +90,7 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
     with tqdm(total=len(prompts), desc=f"answering {split} prompts ({K} each)", unit="prompt") as bar:
         answers = generate_answers(model, tokenizer, prompts, args.max_new_tokens, sampling, per_prompt=K,
                                    seed=args.seed + (split == "eval"), batch_size=args.batch_size,
-                                   progress=bar.update)
+                                   progress=bar.update, chat=chat_format(tokenizer) if args.apply_chat_template else None)
     repeated = [p for p in prompts for _ in range(K)]
     rows = [r for _, r in prompts_rows for _ in range(K)]
     scores = call_reward_fn(label_fn, args.label_fn, repeated, answers, rows, flag="--label_fn")
@@ -122,7 +126,8 @@ def main(args):
     from utils.model.model_utils import resolve_model_name_or_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device)
+    model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device,
+                                        apply_chat_template=args.apply_chat_template)
 
     # ---- answer, label, pair; then write everything at once
     start, written, report = time.time(), {}, {}

@@ -15,7 +15,7 @@ columns, one per answer token: action ``j`` emits answer token ``j`` (from seque
 ``P − 1 + j``); prompt positions have none. Masks: 1 = counts.
 
 Nothing is computed that is thrown away: the log-probs come from the LM head at the answer positions only
-and the G answers to a prompt run their prompt once (:mod:`utils.model.answer_logprobs`); when the update is
+and the G answers to a prompt run their prompt once (:mod:`utils.model.lean_forward`); when the update is
 provably on-policy the old log-probs are the training pass's own (:func:`old_logprobs_from_training_pass`);
 without a KL term (``--kl_ctl 0``) there is no reference model.
 
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from utils.distributed import get_all_reduce_mean, get_world_size
-from utils.model.answer_logprobs import answer_log_probs, can_share_prompt, position_ids
-from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, answer_action_mask, approx_kl, causal_lm_loss,
+from utils.model.lean_forward import answer_log_probs, can_share_prompt, label_loss, position_ids
+from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, answer_action_mask, approx_kl,
                            count_real_answer_tokens, critic_loss, discounted_returns, ema_update,
                            gae_advantages_and_returns, kl_loss, kl_penalized_rewards, masked_whiten)
 
@@ -318,7 +318,7 @@ class DeepSpeedPPOTrainer:
         """``generate``'s KV cache for all but the last token of each group's prompt, run once per group and repeated
         for its ``group`` rows; None where the plain ``generate`` must do it (one answer per prompt, ZeRO-3, the
         hybrid engine, a model without the cache API)."""
-        from utils.model.answer_logprobs import _cache_name, forward_parameters, shared_group_size
+        from utils.model.lean_forward import cache_parameter, output_cache, shared_group_size
 
         module = self.actor_model.module
         if (group <= 1 or self.z3_enabled or self.hybrid_engine or prompts.shape[1] < 2
@@ -327,7 +327,7 @@ class DeepSpeedPPOTrainer:
         head, head_mask = prompts[::group, :-1], mask[::group, :-1]
         out = module(head, attention_mask=head_mask, position_ids=position_ids(head_mask), use_cache=True,
                      logits_to_keep=1)
-        cache = getattr(out, _cache_name(forward_parameters(module)), None)
+        cache = output_cache(out)
         if cache is None or not hasattr(cache, "batch_repeat_interleave"):
             return None
         cache.batch_repeat_interleave(group)
@@ -336,7 +336,7 @@ class DeepSpeedPPOTrainer:
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, group: int = 1) -> tuple:
         """(``[B, P + n]``: the actor's answers after the prompts, right padded with the pad id, ``n`` the longest
         answer; tokens generated). ``group``: rows ``g·G …`` repeat one prompt (its prefill runs once)."""
-        from utils.model.answer_logprobs import _cache_name, forward_parameters
+        from utils.model.lean_forward import cache_parameter
 
         gen = self.generation
         with torch.no_grad():
@@ -353,7 +353,7 @@ class DeepSpeedPPOTrainer:
                     kwargs.update(temperature=None, top_k=None, top_p=None)
                 cache = self._prefilled_cache(prompts, mask, group)
                 if cache is not None:
-                    kwargs[_cache_name(forward_parameters(self.actor_model.module))] = cache
+                    kwargs[cache_parameter(self.actor_model.module)] = cache
                 # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
                 seq = self.actor_model.module.generate(prompts, **kwargs)
         seq = seq[:, :prompts.shape[1] + self.max_answer_seq_len]
@@ -548,9 +548,7 @@ class DeepSpeedPPOTrainer:
     def train_unsupervised(self, inputs: dict) -> torch.Tensor:
         """One LM step of the actor on ``{"input_ids", "attention_mask", "labels"}`` (InstructGPT's PPO-ptx),
         weighted by ``ppo.unsup_coef``; returns the (unscaled) loss."""
-        logits = self.actor_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                  use_cache=False).logits
-        loss = causal_lm_loss(logits, inputs["labels"])
+        loss = label_loss(self.actor_model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
         self.actor_model.backward(self.ppo.unsup_coef * loss)
         self.actor_model.step()
         return loss.detach()

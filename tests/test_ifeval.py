@@ -336,3 +336,38 @@ def test_builder_on_the_shared_alpaca_demo(tmp_path):
     assert len(held) >= 200 and len(train) >= 300
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     assert all(0.0 <= compliance(r, r["reference_output"]) <= 1.0 for r in train + held)
+
+
+# --------------------------------------------------------------------------- the content guard (ifeval_guarded)
+
+
+def test_the_guard_pays_nothing_for_an_answer_that_is_only_the_constraint():
+    from utils.ifeval import guarded_compliance, other_words, substance
+    from utils.reward_functions import call_reward_fn, load_reward_fn
+
+    end = {"instruction_id_list": ["startend:end_checker"], "kwargs": [{"end_phrase": "That is all."}]}
+    assert compliance(end, "That is all.") == 1.0 and other_words(end, "That is all.") == 0
+    assert guarded_compliance(end, "That is all.") == 0.0  # gamed: compliance 1, nothing answered
+    answer = "Crepes need flour, eggs and milk; whisk them, rest the batter and fry thin rounds. That is all."
+    assert other_words(end, answer) == 15 and guarded_compliance(end, answer) == 1.0
+    assert substance(end, "Whisk flour and eggs. That is all.") == pytest.approx(0.4)  # 4 of 10 words
+    keyword = {"instruction_id_list": ["keywords:existence"], "kwargs": [{"keywords": ["crema"]}]}
+    assert guarded_compliance(keyword, "crema") == 0.0 and compliance(keyword, "crema") == 1.0
+    # under "less than N words" the guard asks for half the limit at most
+    short = {"instruction_id_list": ["length_constraints:number_words"],
+             "kwargs": [{"relation": "less than", "num_words": 8}]}
+    assert substance(short, "Mix, rest, fry thin.") == 1.0 and guarded_compliance(short, "Mix, rest, fry thin.") == 1.0
+    fn = load_reward_fn("ifeval_guarded")
+    assert call_reward_fn(fn, "ifeval_guarded", ["p", "p"], ["That is all.", answer], [end, end]) == [0.0, 1.0]
+
+
+def test_the_builder_draws_only_the_types_asked_for(tmp_path):
+    rows = [{"instruction": f"Describe the colour number {i} of the rainbow in detail.", "input": "",
+             "output": "It is a warm and bright colour seen after rain."} for i in range(30)]
+    types = ("punctuation:no_comma", "change_case:english_lowercase")
+    files = builder.build(rows, seed=3, heldout=10, types=types)
+    used = {i for part in ("train.jsonl", "heldout.jsonl") for r in files[part] for i in r["instruction_id_list"]}
+    assert used == set(types)
+    source = tmp_path / "alpaca.json"
+    source.write_text(json.dumps(rows))
+    assert builder.main(["--alpaca", str(source), "--out", str(tmp_path / "out"), "--types", "no:such_type"]) == 2

@@ -121,6 +121,32 @@ def test_each_critic_free_estimator_end_to_end(step12, tmp_path, estimator):
             assert 0 <= r["reward"] <= 1
 
 
+def test_no_kl_term_builds_no_reference_model(tmp_path):
+    """GRPO with --reward_fn ifeval on IFEval-format rows and --kl_ctl 0 (TRL's default β): no reference model is
+    built (said once), no KL is logged, the old log-probs come from the training pass (one optimizer step a round),
+    and the rows' instructions reach the reward (a compliance share in [0, 1])."""
+    rows = [{"prompt": f"Describe the colour of thing number {i}.", "instruction_id_list": ["punctuation:no_comma"],
+             "kwargs": [{}]} for i in range(12)]
+    data = tmp_path / "ifeval.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    proc = _ok(run_entry(
+        STEP3, "--data_path", data, "--data_split", "0,0,1", "--data_output_path", tmp_path / "data",
+        "--actor_model_name_or_path", "tiny-llama", "--apply_chat_template", "--output_dir", out,
+        "--advantage_estimator", "grpo", "--n_samples_per_prompt", 2, "--do_sample", "--reward_fn", "ifeval",
+        "--kl_ctl", 0, "--max_prompt_seq_len", 48, "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 2,
+        "--per_device_training_batch_size", 4, "--max_steps", 2, env=OMP))
+    log = proc.stdout + proc.stderr
+    assert "no reference model: --kl_ctl 0" in log and "initializing ref" not in log
+    assert "old log-probs: the training pass's own" in log
+    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert "kl" not in r and "kl_loss" not in r and 0 <= r["reward"] <= 1 and math.isfinite(r["actor_loss"])
+        assert r["tokens"] > 0 and r["samples"] == 4
+
+
 @pytest.mark.slow
 def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
     """GRPO scored by --reward_fn gsm8k on the real GSM8K test file: the rows' "#### N" answers reach the function

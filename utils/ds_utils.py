@@ -122,13 +122,15 @@ def get_optimizer_grouped_parameters(model, weight_decay: float, lora_lr: float 
 
 def create_optimizer(model, weight_decay: float, learning_rate: float, lora_learning_rate: float,
                      offload: bool, betas=(0.9, 0.95)):
-    """DeepSpeedCPUAdam with ``--offload``; else torch's AdamW (``fused=True`` on a GPU).
+    """DeepSpeedCPUAdam with ``--offload``; else torch's fused AdamW (on a GPU and on a CPU).
 
     DeepSpeed-Chat uses DeepSpeed's FusedAdam on a GPU. torch's fused AdamW runs the
     same decoupled-weight-decay Adam update in one multi-tensor kernel, and needs no
     JIT build of a CUDA extension (FusedAdam compiles for ~1 min on every fresh
     machine, needs nvcc, and fails outright where DeepSpeed cannot parse the GPU's
-    architecture list, e.g. ``9.0a`` on an H100 with CUDA 13).
+    architecture list, e.g. ``9.0a`` on an H100 with CUDA 13). On a CPU torch has a
+    fused kernel too: 1.2 s instead of 8.5 s (the default per-tensor loop) for a step
+    of a 128 M-parameter model on 2 cores, where a SmolLM2-135M SFT step takes ~7 s.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -139,5 +141,5 @@ def create_optimizer(model, weight_decay: float, learning_rate: float, lora_lear
         return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas)
     import torch
 
-    fused = get_accelerator().device_name() == "cuda"
+    fused = get_accelerator().device_name() in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)

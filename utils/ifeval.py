@@ -438,3 +438,44 @@ def compliance(row: dict, answer: str) -> float:
     """The share of the row's instructions ``answer`` keeps, in [0, 1] (IFEval's strict per-instruction score)."""
     pairs = instructions_of(row)
     return sum(check(i, k, answer) for i, k in pairs) / len(pairs)
+
+
+# --------------------------------------------------------------------------- the content guard
+
+# kwargs whose values an answer must write out: what a "bare" answer consists of
+_REQUIRED_TEXT = ("end_phrase", "keywords", "postscript_marker", "prompt_to_repeat", "keyword")
+GUARD_WORDS = 10  # an answer with this many words besides the required text counts as an answer
+
+
+def other_words(row: dict, answer: str) -> int:
+    """Words of ``answer`` besides the text its instructions require it to write (end phrase, keywords,
+    postscript marker, repeated prompt): what is left of an answer once the constraint's own words are gone."""
+    text = answer or ""
+    for _, args in instructions_of(row):
+        for name in _REQUIRED_TEXT:
+            values = args.get(name)
+            for value in (values if isinstance(values, list) else [values] if values else []):
+                text = re.sub(re.escape(str(value)), " ", text, flags=re.IGNORECASE)
+    return count_words(text)
+
+
+def word_limit(row: dict) -> Optional[int]:
+    """The strictest "less than N words" of a row's instructions, or None."""
+    limits = [args["num_words"] for i, args in instructions_of(row)
+              if i == "length_constraints:number_words" and args.get("relation") == "less than"]
+    return min(limits) if limits else None
+
+
+def substance(row: dict, answer: str) -> float:
+    """In [0, 1]: 1 when the answer has at least :data:`GUARD_WORDS` words besides the required text (half the word
+    limit under "less than N words", if that is fewer), proportionally less below. Compliance alone pays an
+    answer that is only the constraint ("That is all.", the keyword alone): a 135M model learns that in 20
+    steps of GRPO (see docs/real-model.md)."""
+    limit = word_limit(row)
+    needed = GUARD_WORDS if limit is None else max(1, min(GUARD_WORDS, limit // 2))
+    return min(1.0, other_words(row, answer) / needed)
+
+
+def guarded_compliance(row: dict, answer: str) -> float:
+    """:func:`compliance` × :func:`substance`: the share of the instructions kept, by an answer that answers."""
+    return compliance(row, answer) * substance(row, answer)

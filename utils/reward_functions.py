@@ -21,7 +21,9 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
 * ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
   else 0.0;
 * ``ifeval``: the share of the row's IFEval instructions (``instruction_id_list`` and ``kwargs``) the
-  answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``.
+  answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``;
+* ``ifeval_guarded``: that share times a content guard (:func:`utils.ifeval.substance`: 10 words besides the
+  constraint's own text), so an answer that is only the end phrase or the keyword earns nothing.
 
 :func:`call_reward_fn` checks what a function returns: a function that raises, returns the wrong
 number of scores, or a non-finite or non-numeric score is a :class:`~utils.errors.UserInputError`
@@ -130,6 +132,14 @@ def ifeval(prompts: List[str], answers: List[str], rows: List[dict]) -> List[flo
     return [compliance(row, answer) for answer, row in zip(answers, rows)]
 
 
+def ifeval_guarded(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """The ``ifeval`` share times the content guard (:func:`utils.ifeval.substance`: at least 10 words besides the
+    constraint's own text), so an answer that is only the required phrase or keyword earns nothing."""
+    from utils.ifeval import guarded_compliance
+
+    return [guarded_compliance(row, answer) for answer, row in zip(answers, rows)]
+
+
 def _check_ifeval_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     """Rows without ``instruction_id_list``, with an unknown instruction id or unusable kwargs: counted, in one
     line."""
@@ -166,10 +176,11 @@ def _check_ifeval_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
             f"the {len(INSTRUCTIONS)} instruction ids of utils/ifeval.py, e.g. from python -m utils.data.ifeval_data")
 
 
-BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k, "ifeval": ifeval}
+BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k, "ifeval": ifeval,
+           "ifeval_guarded": ifeval_guarded}
 # Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
 ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows,
-              "gsm8k": _check_gsm8k_rows, "ifeval": _check_ifeval_rows}
+              "gsm8k": _check_gsm8k_rows, "ifeval": _check_ifeval_rows, "ifeval_guarded": _check_ifeval_rows}
 
 
 # --------------------------------------------------------------------------- loading

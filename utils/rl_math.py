@@ -53,6 +53,7 @@ __all__ = [
     "causal_lm_loss",
     "ema_update",
     "pairwise_reward_loss",
+    "pairwise_read_window",
     "end_score_reward_loss",
     "sequence_log_probs",
     "dpo_loss",
@@ -670,6 +671,30 @@ def _index_of_nth(is_hit: torch.Tensor, n: int, default: int) -> torch.Tensor:
     hit = is_hit & (occurrence == n + 1)
     positions = torch.arange(L, device=is_hit.device).expand(B, L)
     return torch.where(hit, positions, torch.full_like(positions, default)).min(dim=1).values
+
+
+def pairwise_read_window(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, pad_token_id: int,
+                         num_padding_at_beginning: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``([B], [B])``: for each pair, the columns ``first … stop − 1`` whose values :func:`pairwise_reward_loss` reads
+    (its span and both end scores; the span runs into the shorter answer's padding). No other column's value
+    reaches the loss or the scores.
+
+    Args and conventions as :func:`pairwise_reward_loss`.
+    """
+    B, L = chosen_ids.shape
+    npab = num_padding_at_beginning
+    c_end = _index_of_nth(chosen_ids == pad_token_id, npab, L)
+    r_end = _index_of_nth(rejected_ids == pad_token_id, npab, L)
+    differs = chosen_ids != rejected_ids
+    identical = ~differs.any(dim=1)
+    divergence = _index_of_nth(differs, 0, L)
+    end = torch.where(identical, torch.full_like(c_end, L), torch.max(c_end, r_end)).clamp(min=1)
+    divergence = torch.min(torch.where(identical, torch.full_like(c_end, L - 1), divergence), end - 1)
+    r_end = torch.where(identical, c_end, r_end)
+    c_score, r_score = (c_end - 1).clamp(min=0), (r_end - 1).clamp(min=0)
+    first = torch.min(torch.min(divergence, c_score), r_score)
+    stop = torch.max(torch.max(end, c_score + 1), r_score + 1)
+    return first, stop
 
 
 def pairwise_reward_loss(

@@ -60,19 +60,39 @@ def common_args(args) -> dict:
                 model_init_kwargs={"dtype": "float32"})
 
 
-def run_grpo(args, log: StepLog):
+def grpo_task(args):
+    """``(dataset, reward function)`` of ``--task``: GSM8K questions scored by the last number (our ``gsm8k``), or
+    IFEval-format rows scored by our ``ifeval_guarded`` (the rows' instruction ids and kwargs reach it as columns)."""
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
-    from utils.reward_functions import gsm8k
+    from utils import reward_functions
 
     rows = read_jsonl(args.data)
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
-                              for r in rows])
 
-    def reward(prompts, completions, answer, **kwargs):
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return gsm8k(["" for _ in texts], texts, [{"reference_answer": a} for a in answer])
+    def texts(completions):
+        return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+
+    if args.task == "gsm8k":
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
+                                  for r in rows])
+
+        def reward(prompts, completions, answer, **kwargs):
+            return reward_functions.gsm8k([""] * len(answer), texts(completions),
+                                          [{"reference_answer": a} for a in answer])
+    else:
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                   "row": json.dumps({k: r[k] for k in ("instruction_id_list", "kwargs")})}
+                                  for r in rows])
+
+        def reward(prompts, completions, row, **kwargs):
+            return reward_functions.ifeval_guarded([""] * len(row), texts(completions), [json.loads(r) for r in row])
+    return data, reward
+
+
+def run_grpo(args, log: StepLog):
+    from trl import GRPOConfig, GRPOTrainer
+
+    data, reward = grpo_task(args)
 
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
                         max_completion_length=args.answer_len, temperature=1.0, top_p=1.0, top_k=0, beta=args.beta,
@@ -80,6 +100,9 @@ def run_grpo(args, log: StepLog):
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     trainer.train()
+    if args.save:
+        trainer.save_model(args.save)
+        trainer.processing_class.save_pretrained(args.save)
     # tokens per step from TRL's own cumulative count (prompt + completion tokens, padding excluded)
     counts = [0] + log.num_tokens
     for line, (before, after) in zip(log.lines, zip(counts, counts[1:])):
@@ -159,6 +182,8 @@ def main():
     parser.add_argument("--max_len", type=int, default=512)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--task", choices=("gsm8k", "ifeval"), default="gsm8k", help="grpo: data and reward")
+    parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = StepLog(os.path.join(args.out, "steps.jsonl"), args.batch)

@@ -174,13 +174,16 @@ def with_period(instruction: str) -> str:
     return text if text[-1:] in ".?!:" else text + "."
 
 
-def constrain(instruction: str, output: str, seed: int) -> Tuple[str, List[str], List[dict]]:
-    """``(prompt, instruction ids, kwargs)``: one or two compatible constraints for ``instruction``, drawn with a
-    generator seeded by ``seed`` and the instruction's text, their texts after it (a repeat request's last)."""
+def constrain(instruction: str, output: str, seed: int, types: Tuple[str, ...] = TYPES
+              ) -> Tuple[str, List[str], List[dict]]:
+    """``(prompt, instruction ids, kwargs)``: one or two compatible constraints of ``types`` for ``instruction``,
+    drawn with a generator seeded by ``seed`` and the instruction's text, their texts after it (a repeat request's
+    last)."""
     rng = random.Random(f"{seed}:{instruction}")
-    ids = [rng.choice(TYPES)]
-    if rng.random() < TWO_CONSTRAINTS:
-        ids.append(rng.choice([t for t in TYPES if compatible(ids[0], t)]))
+    ids = [rng.choice(types)]
+    second = [t for t in types if compatible(ids[0], t)]
+    if rng.random() < TWO_CONSTRAINTS and second:
+        ids.append(rng.choice(second))
     ids.sort(key=lambda t: t == REPEAT)
     context = Context(instruction, output)
     kwargs = {t: DRAWS[t](rng, context) for t in ids if t != FORBIDDEN}
@@ -240,8 +243,8 @@ def split(items: List[Tuple[int, str, str]], heldout: int, seed: int) -> Tuple[l
     return [i for i in items if i[1] not in held], [i for i in items if i[1] in held]
 
 
-def build(rows: List[dict], seed: int, heldout: int) -> Dict[str, List[dict]]:
-    """The three files' rows (module docstring) from alpaca ``rows``."""
+def build(rows: List[dict], seed: int, heldout: int, types: Tuple[str, ...] = TYPES) -> Dict[str, List[dict]]:
+    """The three files' rows (module docstring) from alpaca ``rows``, constraints of ``types``."""
     items = instructions(rows)
     if len(items) <= heldout:
         raise UserInputError(f"--alpaca: {len(items)} distinct instructions with an empty input; --heldout {heldout} "
@@ -250,7 +253,7 @@ def build(rows: List[dict], seed: int, heldout: int) -> Dict[str, List[dict]]:
 
     def constrained(item):
         key, instruction, output = item
-        prompt, ids, kwargs = constrain(instruction, output, seed)
+        prompt, ids, kwargs = constrain(instruction, output, seed, types)
         return {"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs,
                 "instruction": instruction, "reference_output": output}
 
@@ -274,6 +277,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="The folder train.jsonl, heldout.jsonl and heldout_plain.jsonl go to.")
     p.add_argument("--seed", type=int, default=1234, help="Seeds the split and the constraints drawn.")
     p.add_argument("--heldout", type=int, default=200, help="Instructions held out of training (≥ 1).")
+    p.add_argument("--types", default=None,
+                   help="Comma-separated instruction ids to draw from (default: all of the table's " + str(len(TYPES))
+                        + "); e.g. those a small model can learn.")
     p.add_argument("--overwrite", action="store_true", help="Replace the files an earlier run wrote in --out.")
     return p.parse_args(argv)
 
@@ -290,7 +296,14 @@ def main(argv=None) -> int:
         if earlier and not args.overwrite:
             raise UserInputError(f"--out {args.out} already holds {', '.join(earlier)}; pass --overwrite to replace "
                                  "them, or give another --out")
-        files = build(read_alpaca(args.alpaca), args.seed, args.heldout)
+        types = TYPES
+        if args.types:
+            types = tuple(t.strip() for t in args.types.split(",") if t.strip())
+            unknown = [t for t in types if t not in DRAWS]
+            if unknown or not types:
+                raise UserInputError(f"--types: {', '.join(unknown) or 'none given'} not among the builder's types "
+                                     f"({', '.join(TYPES)})")
+        files = build(read_alpaca(args.alpaca), args.seed, args.heldout, types)
         try:
             os.makedirs(args.out, exist_ok=True)
             for name, rows in files.items():

@@ -16,34 +16,53 @@ SEED = 1234
 
 def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, sampling: Optional[dict] = None,
                      per_prompt: int = 1, seed: int = SEED, batch_size: int = 64,
-                     progress: Optional[Callable[[int], None]] = None) -> List[str]:
+                     progress: Optional[Callable[[int], None]] = None, chat=None) -> List[str]:
     """``len(prompts) · per_prompt`` answers (decoded, special tokens dropped, cut at a new "Human:" turn).
 
     Greedy when ``sampling`` is None (then ``per_prompt`` copies of the one greedy answer are pointless: use 1);
     else ``sampling = {"temperature", "top_k", "top_p"}`` (step 3's flags). Drawn after seeding torch with
     ``seed``; the caller's random state is restored afterwards. ``progress(n)`` is called with the number of
     prompts done after each batch.
+
+    ``chat`` (a :class:`utils.data.chat_template.ChatFormat`): the prompts (DeepSpeed-Chat text) are written in the
+    model's chat template and an answer ends at its end of turn. Prompts of a chat template rarely share a length,
+    so these are generated ``batch_size`` at a time in order of length, left padded (a prompt's answers then
+    depend on its batch only through float rounding).
     """
+    from utils.data.chat_template import dschat_messages
+
     device = next(model.parameters()).device
-    encoded = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
-    by_length: Dict[int, List[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
+    if chat is not None:
+        encoded = [torch.tensor(chat.encode(chat.prompt(dschat_messages(p)))) for p in prompts]
+        stop = list(chat.stop_ids)
+    else:
+        encoded = [tokenizer(p, return_tensors="pt").input_ids[0] for p in prompts]
+        stop = tokenizer.eos_token_id
+    if chat is not None:  # one group, in length order: cut into left-padded batches below
+        groups = {0: sorted(range(len(prompts)), key=lambda i: len(encoded[i]))}
+    else:
+        groups = {}
+        for i, ids in enumerate(encoded):
+            groups.setdefault(len(ids), []).append(i)
     decoding = dict(do_sample=False) if sampling is None else dict(
         do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"],
         num_return_sequences=per_prompt)
     n = 1 if sampling is None else per_prompt
     answers = [""] * (len(prompts) * n)
+    pad = tokenizer.pad_token_id
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        for length, indices in sorted(by_length.items()):
+        for _, indices in sorted(groups.items()):
             for start in range(0, len(indices), batch_size):
                 chunk = indices[start:start + batch_size]
-                ids = torch.stack([encoded[i] for i in chunk]).to(device)
+                length = max(len(encoded[i]) for i in chunk)
+                ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for row, i in enumerate(chunk):
+                    ids[row, length - len(encoded[i]):], mask[row, length - len(encoded[i]):] = encoded[i], 1
                 with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **decoding,
-                                         max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id)
+                    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **decoding,
+                                         max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad)
                 for row in range(out.shape[0]):  # generate returns a prompt's n answers next to each other
                     text = tokenizer.decode(out[row, length:], skip_special_tokens=True)
                     answers[chunk[row // n] * n + row % n] = text.split("Human:")[0].strip()
@@ -52,13 +71,14 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
     return answers
 
 
-def load_for_answers(model_dir: str, device: str = "cpu"):
-    """``(model, tokenizer)`` of a saved causal LM, in eval mode, fp32 on a CPU (the checks' numbers)."""
+def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: bool = False):
+    """``(model, tokenizer)`` of a saved causal LM, in eval mode, fp32 on a CPU (the checks' numbers); the tokenizer
+    as the steps load it with ``--apply_chat_template`` when asked."""
     from transformers import AutoModelForCausalLM
 
     from utils.model.model_utils import load_hf_tokenizer
 
-    tokenizer = load_hf_tokenizer(model_dir)
+    tokenizer = load_hf_tokenizer(model_dir, apply_chat_template=apply_chat_template)
     dtype = torch.float32 if device == "cpu" else None
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").to(device).eval()
     return model, tokenizer

@@ -99,6 +99,20 @@ class ValueHead(nn.Linear):
         return F.linear(hidden.float(), self.weight.float())
 
 
+def _opt_positions(mask: torch.Tensor) -> torch.Tensor:
+    return mask.cumsum(dim=1) * mask - 1  # OPT's own rule (its embedding adds 2): padding at −1
+
+
+def _column_positions(mask: torch.Tensor) -> torch.Tensor:
+    return torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # RoPE models: the column
+
+
+# The position ids a backbone gives its tokens when called without any (the plain pass), by model type; the reward
+# model's shared pass (RewardModel._pair_values) runs only where this is known.
+PLAIN_POSITIONS = {"opt": _opt_positions, **{t: _column_positions for t in (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")}}
+
+
 class RewardModel(nn.Module):
     """Backbone (no LM head) + bias-free scalar ``v_head``. See the module docstring."""
 
@@ -113,6 +127,7 @@ class RewardModel(nn.Module):
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.EOS_ID = tokenizer.eos_token_id
+        self.share_pairs = True  # forward runs each pair's shared start once (False: the plain pass, for tests)
 
     # gradient checkpointing is the backbone's (transformers ≥ 5 calls it "activation checkpointing")
     def gradient_checkpointing_enable(self, **kwargs):
@@ -133,17 +148,62 @@ class RewardModel(nn.Module):
         hidden = self.rwtransformer(input_ids, **kwargs)[0]
         return self.v_head(hidden).squeeze(-1)  # fp32 (ValueHead)
 
+    def _can_share(self) -> bool:
+        from utils.model.lean_forward import cache_parameter, checkpointing, forward_parameters
+
+        return not checkpointing(self.rwtransformer) and cache_parameter(self.rwtransformer) is not None and \
+            {"position_ids", "use_cache"} <= forward_parameters(self.rwtransformer)
+
+    def _pair_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """``[2B, T]`` values of ``[chosen; rejected]`` rows at every column the pairwise loss reads
+        (:func:`~utils.rl_math.pairwise_read_window`), each pair's shared start run once on the backbone and its two
+        continuations on its KV cache (:func:`utils.model.lean_forward.split_pairs`); other columns are 0. The
+        positions are those the backbone gives a plain call (:data:`PLAIN_POSITIONS`: the span reads values at the
+        shorter answer's padding, whose position ids differ between models), so the values are the plain pass's.
+        None where that cannot be done (then :meth:`_values` runs the plain pass)."""
+        from utils.model.lean_forward import cache_parameter, output_cache, shared_lengths, split_pairs
+        from utils.rl_math import pairwise_read_window
+
+        rule = PLAIN_POSITIONS.get(getattr(self.config, "model_type", None))
+        if attention_mask is None or rule is None or not self._can_share():
+            return None
+        B = input_ids.shape[0] // 2
+        first, stop = pairwise_read_window(input_ids[:B], input_ids[B:], self.PAD_ID, self.num_padding_at_beginning)
+        shared = torch.minimum(shared_lengths(input_ids, attention_mask), first + 1)
+        if int(shared.min()) < 1:
+            return None
+        split = split_pairs(input_ids, attention_mask, shared, torch.maximum(stop, shared + 1))
+        positions = rule(attention_mask.long())
+        out = self.rwtransformer(split.prefix, attention_mask=split.prefix_mask, use_cache=True,
+                                 position_ids=positions[:B].gather(1, split.prefix_columns))
+        cache = output_cache(out)
+        cache.batch_repeat_interleave(2)
+        mask = torch.cat([split.prefix_mask.repeat_interleave(2, dim=0), split.cont_mask], dim=1)
+        hidden = self.rwtransformer(split.conts, attention_mask=mask, use_cache=True,
+                                    position_ids=positions[split.source[:, None], split.columns],
+                                    **{cache_parameter(self.rwtransformer): cache})[0]
+        last = self.v_head(out[0][:, -1]).squeeze(-1).repeat_interleave(2)  # [2B]: the value at column shared − 1
+        cont = self.v_head(hidden).squeeze(-1)  # [2B, C]
+        rows = split.source[:, None].expand_as(split.columns)
+        values = torch.zeros(input_ids.shape, dtype=cont.dtype, device=cont.device)
+        values = values.index_put((rows[split.present], split.columns[split.present]), cont[split.present])
+        return values.index_put((split.source, shared.repeat_interleave(2) - 1), last)
+
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                 head_mask=None, inputs_embeds=None, use_cache=False):
         """Pairwise loss on ``[chosen; rejected]`` (``input_ids`` ``[2B, T]``): DeepSpeed-Chat's per-token span loss,
-        or with ``loss="end"`` the end scores' (:func:`~utils.rl_math.end_score_reward_loss`).
+        or with ``loss="end"`` the end scores' (:func:`~utils.rl_math.end_score_reward_loss`). Each pair's shared
+        start (the prompt) runs once (:meth:`_pair_values`) when the call is a plain one.
 
         Returns ``{"loss": scalar, "chosen_mean_scores": [B], "rejected_mean_scores": [B]}``.
         """
         if input_ids.shape[0] % 2:
             raise ValueError(f"RewardModel.forward needs [chosen; rejected] rows, got {input_ids.shape[0]} rows")
-        rewards = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
-                               inputs_embeds, use_cache)
+        plain = past_key_values is None and position_ids is None and head_mask is None and inputs_embeds is None
+        rewards = self._pair_values(input_ids, attention_mask) if plain and self.share_pairs else None
+        if rewards is None:
+            rewards = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
+                                   inputs_embeds, use_cache)
         B = input_ids.shape[0] // 2
         loss, chosen, rejected = pairwise_reward_loss(rewards[:B], rewards[B:], input_ids[:B], input_ids[B:],
                                                       self.PAD_ID, self.num_padding_at_beginning)

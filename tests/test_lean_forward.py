@@ -2,7 +2,7 @@
 
 * :func:`utils.rl_math.gather_log_probs` (temperature, chunks) equals ``log_softmax(logits / T)`` gathered;
 * the LM head at the kept positions equals the full logits' slice;
-* :func:`utils.model.answer_logprobs.answer_log_probs`: the shared-prompt pass equals the plain pass (values and
+* :func:`utils.model.lean_forward.answer_log_probs`: the shared-prompt pass equals the plain pass (values and
   gradients), both equal the full-logits log-probs, and how much left padding a batch carries changes nothing;
 * the trainer on a real tiny model (PPO with a critic, GRPO): a round padded to its longest prompt gives the
   log-probs, values, advantages and loss of the same round padded to the cap; the on-policy shortcut gives the
@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
 from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer, Rollout, old_logprobs_from_training_pass
 from utils.data.data_utils import DataCollatorRLHF
-from utils.model.answer_logprobs import answer_log_probs, can_share_prompt, position_ids, shared_group_size
+from utils.model.lean_forward import answer_log_probs, can_share_prompt, position_ids, shared_group_size
 from utils.rl_math import gather_log_probs
 
 
@@ -307,3 +307,100 @@ def test_rollouts_of_different_lengths_concatenate_and_trim():
     assert again.prompt_length == trimmed.prompt_length <= a.prompt_length
     for name in ("input_ids", "attention_mask", "action_mask", "advantages", "logprobs"):
         assert torch.equal(getattr(again, name), getattr(trimmed, name))
+
+
+# --------------------------------------------------------------------------- step 1's loss and DPO's pairs
+
+
+def test_label_loss_is_the_full_logits_cross_entropy(lm):
+    from utils.model.lean_forward import label_loss
+    from utils.rl_math import causal_lm_loss
+
+    prompts, mask, answers, answer_mask = batch(lm, G=1)
+    ids, full_mask = torch.cat([prompts, answers], 1), torch.cat([mask, answer_mask], 1)
+    labels = ids.masked_fill(full_mask == 0, -100)
+    labels[:, :prompts.shape[1]] = -100  # the prompt is not trained (chat-template SFT)
+    expected = causal_lm_loss(lm(ids, attention_mask=full_mask, position_ids=position_ids(full_mask)).logits, labels)
+    loss = label_loss(lm, ids, full_mask, labels)
+    assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    lm.zero_grad()
+    loss.backward()
+    assert all(p.grad is not None for p in lm.lm_head.parameters())
+    lm.zero_grad()
+
+
+def dpo_rows(lm, seed=0):
+    """``[chosen; rejected]`` right padded, DPO's loss mask: 3 pairs with a shared prompt of 4, 6 and 9 tokens."""
+    from step2_dpo_finetuning.main import dpo_loss_mask
+
+    g = torch.Generator().manual_seed(seed)
+    V = lm.config.vocab_size
+    rows, T = [], 16
+    for shared, (lc, lr) in ((4, (9, 12)), (6, (16, 8)), (9, (11, 11))):
+        prompt = torch.randint(3, V, (shared,), generator=g)
+        chosen = torch.cat([prompt, torch.randint(3, V, (lc - shared,), generator=g)])
+        rejected = torch.cat([prompt, torch.randint(3, V, (lr - shared,), generator=g)])
+        rows.append((chosen, rejected))
+    ids = torch.full((6, T), 1)
+    att = torch.zeros(6, T, dtype=torch.long)
+    for i, (c, r) in enumerate(rows):
+        ids[i, :len(c)], att[i, :len(c)] = c, 1
+        ids[3 + i, :len(r)], att[3 + i, :len(r)] = r, 1
+    return ids, att, dpo_loss_mask(ids, att)
+
+
+def test_pair_log_probs_are_the_sequence_log_probs_of_the_full_logits(lm):
+    from utils.model.lean_forward import pair_log_probs
+    from utils.rl_math import sequence_log_probs
+
+    ids, att, mask = dpo_rows(lm)
+    with torch.no_grad():
+        expected = sequence_log_probs(lm(ids, attention_mask=att, position_ids=position_ids(att)).logits, ids, mask)
+        for share in (True, False):
+            assert_close(pair_log_probs(lm, ids, att, mask, share_prompt=share), expected, atol=1e-5, rtol=1e-5)
+    # and the gradients of the shared pass are the plain pass's
+    grads = []
+    for share in (False, True):
+        lm.zero_grad()
+        (pair_log_probs(lm, ids, att, mask, share_prompt=share) * torch.tensor([1., -2., 3., 0.5, 1., -1.])).sum() \
+            .backward()
+        grads.append([p.grad.clone() for p in lm.parameters() if p.grad is not None])
+    lm.zero_grad()
+    for plain, shared in zip(*grads):
+        assert_close(shared, plain, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, npab", [("tiny-llama", 0), ("tiny-opt", 1)])
+def test_reward_model_pairs_share_their_start_and_give_the_plain_loss(name, npab):
+    from utils.data.data_utils import DataCollatorReward
+    from utils.model.critic import create_critic_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.tiny import resolve_model_path
+
+    path = resolve_model_path(name)
+    tokenizer = load_hf_tokenizer(path)
+    torch.manual_seed(0)
+    model = create_critic_model(path, tokenizer, None, num_padding_at_beginning=npab)
+    bos = [tokenizer.bos_token_id] if npab else []
+    prompts = [" Human: Describe the lamp. Assistant:", " Human: Describe the small kite. Assistant:"]
+    answers = [(" The lamp is bright and calm.", " The lamp is dark."), (" It is red.", " The kite is small and kind.")]
+    samples = []
+    for prompt, (chosen, rejected) in zip(prompts, answers):
+        encode = lambda text: torch.tensor(bos + tokenizer(prompt + text, add_special_tokens=False)["input_ids"]  # noqa
+                                           + [tokenizer.eos_token_id])
+        samples.append((encode(chosen), encode(rejected)))
+    batch = DataCollatorReward(tokenizer.pad_token_id, 64)(samples)
+    results, grads = [], []
+    for share in (False, True):
+        model.share_pairs = share
+        model.zero_grad()
+        out = model(**batch)
+        out["loss"].backward()
+        results.append(out)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    (plain, shared) = results
+    for key in ("loss", "chosen_mean_scores", "rejected_mean_scores"):
+        assert_close(shared[key], plain[key], atol=1e-5, rtol=1e-5)
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        assert_close(b, a, atol=1e-5, rtol=1e-4)

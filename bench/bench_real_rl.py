@@ -1,0 +1,352 @@
+#!/usr/bin/env python
+"""A real model gets measurably better: verifiable instruction following on SmolLM2-135M-Instruct, held out.
+
+    .venv/bin/python bench/bench_real_rl.py                   # data, base eval, GRPO, eval: ~1 h on 2 CPU cores
+    .venv/bin/python bench/bench_real_rl.py --rows grpo,trl,ppo --work /tmp/real-rl   # + TRL and DeepSpeed-Chat's path
+
+Task: alpaca's instructions (``../shared/data/llama-factory-demo``) with one or two IFEval constraints each
+(:mod:`utils.data.ifeval_data`, 12 types a 135M model can keep: case, commas, end phrase, quotation, keywords,
+forbidden words, word count, bullets, postscript, title, highlights), 220 instructions held out. Rows:
+
+* ``grpo``: step 3 ``--advantage_estimator grpo --reward_fn ifeval_guarded`` from the model itself (its own
+  instruct tuning is step 1): 8 prompts × 4 answers a step, 128 new tokens, β 0.04 (k3, in the loss), lr 1e-5;
+  the reward is the share of constraints kept times a content guard (:func:`utils.ifeval.substance`), because
+  compliance alone pays answers that are only the constraint;
+* ``trl``: TRL's ``GRPOTrainer`` on the same data, reward, steps and settings (the peer bench's environment);
+* ``ppo``: DeepSpeed-Chat's path: the model's own answers ranked by the same checker
+  (``collect_comparisons.py --label_fn ifeval_guarded``) → step 2 reward model → step 3 PPO.
+
+The held-out evaluation (:func:`evaluate`, greedy, the chat template, the training's 128 tokens) of each model:
+strict compliance (every constraint of a prompt kept) and per type; the content guards: unigram F1 against
+alpaca's own answer on the constrained and on the plain held-out instructions, mean answer length on
+constraints that do not limit length, the share of answers that are little more than the constraint (fewer
+than 5 words besides its required text); KL to the base model (per answer, on the model's own greedy answers);
+GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps are evaluated too (compliance
+and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+SHARED = os.path.join(os.path.dirname(REPO), "shared", "data")
+DEFAULT_MODEL = os.environ.get("SMOLLM2_DIR") or os.path.join(os.path.dirname(REPO), "smollm2")
+TYPES = ("change_case:english_lowercase", "change_case:english_capital", "punctuation:no_comma",
+         "startend:end_checker", "startend:quotation", "keywords:existence", "keywords:forbidden_words",
+         "length_constraints:number_words", "detectable_format:number_bullet_lists",
+         "detectable_content:postscript", "detectable_format:title", "detectable_format:number_highlighted_sections")
+LENGTH_TYPES = ("length_constraints:number_words",)  # constraints that limit length (left out of the length guard)
+EXAMPLES = 3  # answers shown before and after
+
+
+# --------------------------------------------------------------------------- metrics (pure)
+
+def words(text: str) -> list:
+    return re.findall(r"[a-z0-9']+", (text or "").lower())
+
+
+def unigram_f1(answer: str, reference: str) -> float:
+    """Unigram F1 of the answer's words against the reference's (bag of words, lower case)."""
+    from collections import Counter
+
+    a, r = Counter(words(answer)), Counter(words(reference))
+    overlap = sum((a & r).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / sum(a.values()), overlap / sum(r.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def score_constrained(rows: list, answers: list) -> dict:
+    """Strict compliance, per type, and the content guards on the constrained held-out answers."""
+    from utils.ifeval import check, instructions_of, other_words
+
+    strict, per_type, f1, lengths, bare = [], {}, [], [], []
+    for row, answer in zip(rows, answers):
+        pairs = instructions_of(row)
+        kept = [check(i, k, answer) for i, k in pairs]
+        strict.append(all(kept))
+        for (i, _), ok in zip(pairs, kept):
+            per_type.setdefault(i, []).append(ok)
+        f1.append(unigram_f1(answer, row["reference_output"]))
+        if not any(i in LENGTH_TYPES for i, _ in pairs):
+            lengths.append(len(answer.split()))
+        bare.append(other_words(row, answer) < 5)
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    return {"strict": mean(strict), "per_type": {t: mean(v) for t, v in sorted(per_type.items())},
+            "type_counts": {t: len(v) for t, v in sorted(per_type.items())}, "f1": mean(f1),
+            "length": mean(lengths), "bare": mean(bare)}
+
+
+# --------------------------------------------------------------------------- generation and KL
+
+def load(model_dir: str, weights: str | None = None):
+    """``(model, tokenizer, chat format)``, fp32, eval mode; ``weights``: a DeepSpeed checkpoint's model states to
+    load over the folder's (a step-3 checkpoint of the run)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from utils.data.chat_template import chat_format
+    from utils.model.model_utils import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(model_dir, apply_chat_template=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights:
+        state = torch.load(weights, map_location="cpu", weights_only=True)["module"]
+        model.load_state_dict(state)
+    return model, tokenizer, chat_format(tokenizer)
+
+
+def greedy_answers(model, tokenizer, fmt, prompts: list, max_new_tokens: int, batch_size: int = 32) -> list:
+    """Greedy answers to user ``prompts`` in the chat template, batched by length (left padded)."""
+    import torch
+
+    texts = [fmt.prompt([{"role": "user", "content": p}]) for p in prompts]
+    encoded = [fmt.encode(t) for t in texts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    answers = [""] * len(prompts)
+    pad = tokenizer.pad_token_id
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        P = max(len(encoded[i]) for i in chunk)
+        ids = torch.full((len(chunk), P), pad)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):
+            ids[row, P - len(encoded[i]):], mask[row, P - len(encoded[i]):] = torch.tensor(encoded[i]), 1
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=list(fmt.stop_ids), pad_token_id=pad, temperature=None, top_p=None,
+                                 top_k=None)
+        for row, i in enumerate(chunk):
+            answers[i] = tokenizer.decode(out[row, P:], skip_special_tokens=True).strip()
+        print(f"    {min(start + batch_size, len(order))}/{len(order)} answers", flush=True)
+    return answers
+
+
+def kl_to_base(model, base, fmt, prompts: list, answers: list, batch_size: int = 16) -> float:
+    """Mean over answers of Σ_t KL(π(·|…) ‖ π_base(·|…)) over the answer's tokens (exact per position)."""
+    import torch
+
+    total, n = 0.0, 0
+    for start in range(0, len(prompts), batch_size):
+        rows = []
+        for p, a in zip(prompts[start:start + batch_size], answers[start:start + batch_size]):
+            prompt_ids, answer_ids = fmt.conversation_ids([{"role": "user", "content": p}], a)
+            rows.append((prompt_ids, answer_ids))
+        T = max(len(p) + len(a) for p, a in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        keep = torch.zeros_like(ids, dtype=torch.bool)  # positions whose next token is an answer token
+        for r, (p, a) in enumerate(rows):
+            ids[r, :len(p) + len(a)], mask[r, :len(p) + len(a)] = torch.tensor(p + a), 1
+            keep[r, len(p) - 1:len(p) + len(a) - 1] = True
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
+            lq = torch.log_softmax(base(ids, attention_mask=mask).logits.float(), -1)
+            kl = (lp.exp() * (lp - lq)).sum(-1)
+        total += float((kl * keep).sum())
+        n += len(rows)
+    return total / max(n, 1)
+
+
+def gsm8k_accuracy(model, tokenizer, fmt, questions: list, max_new_tokens: int) -> float:
+    from utils.reward_functions import gsm8k
+
+    answers = greedy_answers(model, tokenizer, fmt, [q["question"] for q in questions], max_new_tokens)
+    scores = gsm8k([""] * len(answers), answers, [{"reference_answer": q["answer"]} for q in questions])
+    return sum(scores) / len(scores)
+
+
+def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full: bool = True, base=None) -> dict:
+    """The held-out evaluation of one model (module docstring); ``full``: also the plain instructions, KL and
+    GSM8K (the checkpoints' points of the plot leave those out)."""
+    start = time.time()
+    model, tokenizer, fmt = load(model_dir, weights)
+    rows = data["heldout"]
+    answers = greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in rows], opts.answer_len)
+    result = score_constrained(rows, answers)
+    result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
+    if full:
+        plain = data["heldout_plain"]
+        plain_answers = greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in plain], opts.answer_len)
+        result["plain_f1"] = sum(unigram_f1(a, r["reference_output"]) for a, r in zip(plain_answers, plain)) / len(plain)
+        result["plain_length"] = sum(len(a.split()) for a in plain_answers) / len(plain)
+        result["gsm8k"] = gsm8k_accuracy(model, tokenizer, fmt, data["gsm8k"], opts.gsm8k_tokens)
+        if base is not None:
+            result["kl"] = kl_to_base(model, base, fmt, [r["prompt"] for r in rows], answers)
+    result["seconds"] = time.time() - start
+    return result
+
+
+# --------------------------------------------------------------------------- runs
+
+def read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_data(work: str) -> dict:
+    out = os.path.join(work, "ifeval")
+    if not os.path.exists(os.path.join(out, "heldout.jsonl")):
+        subprocess.run([sys.executable, "-m", "utils.data.ifeval_data", "--alpaca",
+                        os.path.join(SHARED, "llama-factory-demo", "alpaca_en_demo.json"), "--out", out, "--seed",
+                        "1234", "--heldout", "220", "--types", ",".join(TYPES)], cwd=REPO, check=True)
+    with open(os.path.join(SHARED, "gsm8k", "test.jsonl")) as f:
+        gsm8k = [json.loads(line) for _, line in zip(range(200), f)]
+    return {"dir": out, "train": os.path.join(out, "train.jsonl"), "heldout": read_jsonl(os.path.join(out, "heldout.jsonl")),
+            "heldout_plain": read_jsonl(os.path.join(out, "heldout_plain.jsonl")), "gsm8k": gsm8k}
+
+
+def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run([python, *cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise SystemExit(f"failed (exit {proc.returncode}); see {log_path}")
+    return time.time() - start
+
+
+def grpo_command(model: str, data: dict, out: str, opts) -> list:
+    return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
+            "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
+            "--advantage_estimator", "grpo", "--reward_fn", "ifeval_guarded", "--n_samples_per_prompt",
+            str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
+            "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
+            "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", "1.0", "--kl_ctl",
+            str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", "constant",
+            "--num_warmup_steps", "0", "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype",
+            "fp32", "--seed", "1234", "--save_interval", str(opts.eval_every), "--max_checkpoints", "100",
+            "--output_dir", out, "--overwrite"]
+
+
+def trl_command(model: str, data: dict, out: str, opts) -> list:
+    return ["bench/peers/trl_run.py", "grpo", "--task", "ifeval", "--model", model, "--data", data["train"], "--out",
+            out, "--steps", str(opts.steps), "--batch", str(opts.prompts * opts.group), "--group", str(opts.group),
+            "--answer_len", str(opts.answer_len), "--beta", str(opts.kl), "--lr", str(opts.lr), "--save",
+            os.path.join(out, "actor")]
+
+
+def ppo_commands(model: str, data: dict, out: str, opts) -> list:
+    """DeepSpeed-Chat's path on the same task: the model's own answers to the train instructions, ranked by the same
+    checker, → a reward model → PPO against it (the model's instruct tuning is its step 1)."""
+    comparisons, reward = os.path.join(out, "comparisons"), os.path.join(out, "reward")
+    common = ["--apply_chat_template", "--seed", "1234", "--data_output_path", os.path.join(out, "data")]
+    return [
+        ["step2_reward_model_finetuning/collect_comparisons.py", "--actor_model_name_or_path", model, "--data_path",
+         data["train"], "--data_split", "0,1,0", "--label_fn", "ifeval_guarded", "--num_answers", "4",
+         "--max_new_tokens", str(opts.answer_len), "--max_prompts", "120", "--max_eval_prompts", "16",
+         "--batch_size", "16", "--output_dir", comparisons, "--overwrite", *common],
+        ["step2_reward_model_finetuning/main.py", "--model_name_or_path", model, "--data_path", comparisons,
+         "--data_split", "0,1,0", "--num_padding_at_beginning", "0", "--max_seq_len", "320",
+         "--per_device_train_batch_size", "8", "--learning_rate", "2e-5", "--reward_loss", "end", "--max_steps", "40",
+         "--dtype", "fp32", "--output_dir", reward, "--overwrite", *common],
+        ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--critic_model_name_or_path", reward,
+         "--data_path", data["train"], "--data_split", "0,0,1", "--num_padding_at_beginning", "0",
+         "--per_device_generation_batch_size", str(opts.prompts), "--per_device_training_batch_size",
+         str(opts.prompts), "--max_prompt_seq_len", "192", "--max_answer_seq_len", str(opts.answer_len),
+         "--do_sample", "--temperature", "1.0", "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr),
+         "--critic_learning_rate", "5e-6", "--lr_scheduler_type", "constant", "--num_warmup_steps", "0",
+         "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype", "fp32", "--output_dir",
+         os.path.join(out, "step3"), "--overwrite", *common],
+    ]
+
+
+def checkpoint_weights(out: str) -> dict:
+    """``{step: the actor's model-states file}`` of a step-3 run's checkpoints."""
+    found = {}
+    for path in glob.glob(os.path.join(out, "**", "actor", "**", "mp_rank_00_model_states.pt"), recursive=True):
+        match = re.search(r"(\d+)", os.path.relpath(path, out).split(os.sep)[0] + os.sep +
+                          os.path.relpath(path, out).split(os.sep)[1])
+        if match:
+            found[int(match.group(1))] = path
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--work", default="/tmp/real-rl")
+    parser.add_argument("--rows", default="grpo", help="comma-separated: grpo, trl, ppo")
+    parser.add_argument("--steps", type=int, default=22)
+    parser.add_argument("--eval_every", type=int, default=11)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="answers per prompt")
+    parser.add_argument("--answer_len", type=int, default=128)
+    parser.add_argument("--gsm8k_tokens", type=int, default=192)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--kl", type=float, default=0.04)
+    parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
+    opts = parser.parse_args(argv)
+    if not os.path.isdir(opts.model) or not os.path.isdir(SHARED):
+        print(f"bench_real_rl: needs the model folder {opts.model} and {SHARED}; skipped")
+        return 0
+    os.makedirs(opts.work, exist_ok=True)
+    data = build_data(opts.work)
+    results_path = os.path.join(opts.work, "results.json")
+    results = json.load(open(results_path)) if os.path.exists(results_path) else {}
+
+    def save():
+        with open(results_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    base_model = load(opts.model)[0]
+    if "base" not in results:
+        print("evaluating the base model", flush=True)
+        results["base"] = evaluate(opts.model, data, opts)
+        save()
+    for row in [r.strip() for r in opts.rows.split(",") if r.strip()]:
+        out = os.path.join(opts.work, row)
+        if row == "grpo":
+            if not os.path.exists(os.path.join(out, "actor")):
+                results.setdefault("wall", {})[row] = run(grpo_command(opts.model, data, out, opts),
+                                                          os.path.join(opts.work, f"{row}.log"))
+                save()
+            final = os.path.join(out, "actor")
+            points = checkpoint_weights(out)
+        elif row == "trl":
+            final, points = os.path.join(out, "actor"), {}
+            if not os.path.exists(final):
+                results.setdefault("wall", {})[row] = run(trl_command(opts.model, data, out, opts),
+                                                          os.path.join(opts.work, f"{row}.log"),
+                                                          python=os.path.join(opts.peer_venv, "bin", "python"))
+                save()
+        elif row == "ppo":
+            final, points = os.path.join(out, "step3", "actor"), {}
+            if not os.path.exists(final):
+                walls = [run(cmd, os.path.join(opts.work, f"{row}-{i}.log"))
+                         for i, cmd in enumerate(ppo_commands(opts.model, data, out, opts))]
+                results.setdefault("wall", {})[row] = sum(walls)
+                save()
+        else:
+            raise SystemExit(f"unknown row {row!r}: grpo, trl or ppo")
+        curve = results.setdefault("curve", {}).setdefault(row, {"0": {k: results["base"][k] for k in
+                                                                       ("strict", "f1", "length", "bare")}})
+        for step, weights in sorted(points.items()):
+            if str(step) not in curve and step < opts.steps:
+                print(f"evaluating {row} at step {step}", flush=True)
+                r = evaluate(opts.model, data, opts, weights=weights, full=False)
+                curve[str(step)] = {k: r[k] for k in ("strict", "f1", "length", "bare")}
+                save()
+        if row not in results:
+            print(f"evaluating {row}", flush=True)
+            results[row] = evaluate(final, data, opts, base=base_model)
+            curve[str(opts.steps)] = {k: results[row][k] for k in ("strict", "f1", "length", "bare")}
+            save()
+    print(json.dumps({k: {m: v for m, v in r.items() if m not in ("examples", "per_type", "type_counts")}
+                      for k, r in results.items() if isinstance(r, dict) and "strict" in r}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Log-probabilities of answers under a causal LM, computing only what is read.
+
+Step 3 (and DPO) needs ``log π(answer token | everything before it)`` for the answer tokens alone. The plain
+way (one forward over ``prompt + answer``, the LM head at every position, a log-softmax over the whole
+``[B, T, V]`` logits) spends most of its LM-head work on prompt positions nobody reads, and with
+``--n_samples_per_prompt G`` it runs every prompt G times through the model. Here:
+
+* **Logits only where they are read**: the LM head runs on the answer positions alone
+  (transformers' ``logits_to_keep``), and the last token's position, which predicts nothing, is not fed.
+* **One prompt pass per group** (:func:`answer_log_probs` with ``share_prompt``): consecutive rows with the
+  same prompt (the G answers to one prompt, or DPO's chosen and rejected after their shared prefix) run the
+  prompt once with a KV cache; the cache is repeated for the rows and the answers run on it. The answers'
+  attention, positions and gradients are those of the plain pass (the prompt's keys and values carry the
+  gradient back into the prompt pass), so the results agree up to float rounding (tests/test_lean_forward.py).
+* **Position ids from the attention mask** (``cumsum(mask) − 1``, pads at 0), as ``generate`` numbers the
+  tokens it samples: how much left padding a batch carries changes nothing.
+* **Log-softmax without a float32 copy of the whole logits** (:func:`utils.rl_math.gather_log_probs`).
+
+The shared pass needs a model whose ``forward`` takes ``position_ids``, ``logits_to_keep`` and a KV cache
+(every transformers 5 causal LM), and no activation checkpointing (transformers turns the cache off under
+it); otherwise the plain pass runs, still with logits at the answer positions only where ``logits_to_keep``
+is taken. Shapes: prompts ``[B, P]`` left padded, answers ``[B, A]`` right padded; masks 1 = real token.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from utils.rl_math import gather_log_probs
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` positions of the real tokens of left/right padded rows: ``cumsum(mask) − 1``, pads at 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _module(model):
+    """The ``nn.Module`` behind a DeepSpeed engine (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def forward_parameters(model) -> frozenset:
+    """The keyword names ``model.forward`` takes (of the module a DeepSpeed engine wraps)."""
+    module = _module(model)
+    cached = getattr(module, "_lean_forward_params", None)
+    if cached is None:
+        cached = frozenset(inspect.signature(module.forward).parameters)
+        try:
+            module._lean_forward_params = cached
+        except AttributeError:  # a module that refuses new attributes: just recompute next time
+            pass
+    return cached
+
+
+def cache_parameter(model) -> str | None:
+    """The keyword ``model.forward`` takes a KV cache by (``cache`` from transformers 5.24, ``past_key_values``
+    before), or None."""
+    params = forward_parameters(model)
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
+def output_cache(out):
+    """The KV cache a forward with ``use_cache=True`` returned (``out.cache``, or ``out.past_key_values`` before
+    transformers 5.24)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def checkpointing(model) -> bool:
+    """Is activation (gradient) checkpointing on? transformers turns the KV cache off under it."""
+    module = _module(model)
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first is transformers ≥ 5's
+        if hasattr(type(module), name):
+            return bool(getattr(module, name))
+    return False
+
+
+def can_share_prompt(model) -> bool:
+    """Can :func:`answer_log_probs` run a group's prompt once on ``model`` (see the module docstring)?"""
+    params = forward_parameters(model)
+    return (not checkpointing(model) and cache_parameter(model) is not None
+            and {"position_ids", "logits_to_keep", "use_cache"} <= params)
+
+
+def shared_group_size(prompts: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> int:
+    """``group_size`` when the rows are consecutive groups of that many identical prompts (and masks), else 1."""
+    B = prompts.shape[0]
+    if group_size <= 1 or B % group_size:
+        return 1
+    same = (torch.equal(prompts, prompts[::group_size].repeat_interleave(group_size, dim=0))
+            and torch.equal(prompt_mask, prompt_mask[::group_size].repeat_interleave(group_size, dim=0)))
+    return group_size if same else 1
+
+
+def _logits(model, ids, mask, positions, keep: int, params: frozenset, **extra):
+    """``[B, keep, V]``: the logits of the last ``keep`` positions of ``ids`` (all of them, sliced, when the model
+    does not take ``logits_to_keep``)."""
+    kwargs = dict(attention_mask=mask, use_cache=extra.pop("use_cache", False), **extra)
+    if "position_ids" in params:
+        kwargs["position_ids"] = positions
+    if "logits_to_keep" in params:
+        out = model(ids, logits_to_keep=keep, **kwargs)
+        return out, out.logits
+    out = model(ids, **kwargs)
+    return out, out.logits[:, -keep:]
+
+
+def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, answers: torch.Tensor,
+                     answer_mask: torch.Tensor, group_size: int = 1, temperature: float = 1.0,
+                     share_prompt: bool = True) -> torch.Tensor:
+    """``[B, A]`` float32 ``log π(answers[:, j] | prompt, answers[:, :j])`` at temperature ``temperature``.
+
+    Args:
+        model: a causal LM (or a DeepSpeed engine around one); called as it is (train or eval mode is the
+            caller's), with gradients when the caller's context records them.
+        prompts: ``[B, P]`` left padded; ``prompt_mask`` ``[B, P]`` (1 = real token).
+        answers: ``[B, A]`` right padded; ``answer_mask`` ``[B, A]`` (1 = real token: up to and including the
+            answer's end token). Values at positions with mask 0 are meaningless (the caller masks them).
+        group_size: rows ``g·G … g·G + G − 1`` may share one prompt (checked: :func:`shared_group_size`).
+        temperature: the logits are divided by it (the distribution answers were sampled from).
+        share_prompt: False forces the plain pass (tests compare the two).
+    """
+    params = forward_parameters(model)
+    B, P = prompts.shape
+    A = answers.shape[1]
+    mask = torch.cat([prompt_mask.long(), answer_mask.long()], dim=1)
+    positions = position_ids(mask)
+    G = shared_group_size(prompts, prompt_mask, group_size) if share_prompt and can_share_prompt(model) else 1
+    if G == 1:  # the plain pass: prompt + answer without its last token; logits at the A answer actions
+        ids = torch.cat([prompts, answers], dim=1)[:, :-1]
+        _, logits = _logits(model, ids, mask[:, :-1], positions[:, :-1], A, params)
+        return gather_log_probs(logits, answers, temperature)
+
+    # the shared pass: each prompt once (its last position predicts the first answer token), then the answers
+    out, first = _logits(model, prompts[::G], prompt_mask[::G], positions[::G, :P], 1, params, use_cache=True)
+    first_lp = gather_log_probs(first.repeat_interleave(G, dim=0), answers[:, :1], temperature)  # [B, 1]
+    if A == 1:
+        return first_lp
+    cache = output_cache(out)
+    cache.batch_repeat_interleave(G)
+    _, rest = _logits(model, answers[:, :-1], mask[:, :-1], positions[:, P:-1], A - 1, params, use_cache=True,
+                      **{cache_parameter(model): cache})
+    return torch.cat([first_lp, gather_log_probs(rest, answers[:, 1:], temperature)], dim=1)
+
+
+# --------------------------------------------------------------------------- language-model loss (step 1, PPO-ptx)
+
+
+def label_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, float32, the mean over the label positions that are not -100: the value of
+    :func:`utils.rl_math.causal_lm_loss` on the full logits, with the LM head only on the columns that predict a
+    label (from the first position any row predicts one to the last) and no ``log_softmax`` copy of the logits.
+
+    Args:
+        model: a causal LM (or a DeepSpeed engine around one).
+        input_ids, attention_mask: ``[B, T]`` right padded.
+        labels: ``[B, T]`` unshifted (position ``t`` predicts ``labels[t + 1]``), -100 = not counted.
+    """
+    counted = labels[:, 1:] != -100
+    columns = counted.any(dim=0).nonzero()
+    if len(columns) == 0:  # nothing to predict: a zero that still reaches every parameter's gradient
+        return model(input_ids[:, :1], attention_mask=attention_mask[:, :1], use_cache=False).logits.sum() * 0.0
+    first, last = int(columns[0]), int(columns[-1])
+    params = forward_parameters(model)
+    _, logits = _logits(model, input_ids[:, :last + 1], attention_mask[:, :last + 1],
+                        position_ids(attention_mask[:, :last + 1]), last + 1 - first, params)
+    targets = labels[:, first + 1:last + 2]
+    logps = gather_log_probs(logits, targets)
+    mask = (targets != -100).float()
+    return -(logps * mask).sum() / mask.sum()
+
+
+# --------------------------------------------------------------------------- pairs sharing a prefix (DPO, step 2)
+
+
+def shared_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` for rows ``[chosen_1..B; rejected_1..B]`` (right padded): how many leading tokens each pair shares
+    (the first position where they differ), at most either row's length."""
+    B2, T = input_ids.shape
+    B = B2 // 2
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    differs = input_ids[:B] != input_ids[B:]
+    diverge = torch.where(differs, positions, torch.full_like(positions, T)).min(dim=1).values
+    lengths = attention_mask.long().sum(dim=1)
+    return torch.minimum(diverge, torch.minimum(lengths[:B], lengths[B:]))
+
+
+@dataclass
+class PairSplit:
+    """Rows ``[chosen_1..B; rejected_1..B]`` cut at ``shared [B]``: each pair's first ``shared`` tokens once, left
+    padded (``prefix``, ``prefix_mask`` ``[B, D]``; ``prefix_columns``: each prefix token's column in the input),
+    and its two continuations, columns ``shared … stop − 1`` of each row, interleaved (row ``2i`` chosen, ``2i + 1``
+    rejected) and right padded (``conts``, ``cont_mask`` = the input's attention there, ``present`` = within the
+    pair's columns; ``[2B, C]``); ``source [2B]`` is each continuation's row in the input, ``columns [2B, C]`` each
+    continuation token's column there."""
+    prefix: torch.Tensor
+    prefix_mask: torch.Tensor
+    prefix_columns: torch.Tensor
+    conts: torch.Tensor
+    cont_mask: torch.Tensor
+    present: torch.Tensor
+    source: torch.Tensor
+    columns: torch.Tensor
+
+
+def split_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
+                stop: torch.Tensor) -> PairSplit:
+    """:class:`PairSplit` of right-padded pairs: the first ``shared [B]`` tokens (each ≥ 1) once, then columns up to
+    ``stop [B]`` (exclusive; ≤ the width) of both rows."""
+    B2, T = input_ids.shape
+    B = B2 // 2
+    device = input_ids.device
+    D = int(shared.max())
+    source = torch.stack([torch.arange(B), torch.arange(B, B2)], dim=1).reshape(-1).to(device)
+    start, end = shared.repeat_interleave(2), stop.repeat_interleave(2)  # [2B]
+    C = max(int((end - start).max()), 1)
+    offsets = torch.arange(C, device=device)
+    present = offsets[None, :] < (end - start)[:, None]
+    columns = (start[:, None] + offsets[None, :]).clamp(max=T - 1)
+    conts = torch.where(present, input_ids[source[:, None], columns], torch.zeros_like(columns))
+    cont_mask = attention_mask[source[:, None], columns].long() * present
+    prefix_columns = torch.arange(D, device=device)[None, :] - (D - shared)[:, None]
+    in_prefix = prefix_columns >= 0
+    prefix_columns = prefix_columns.clamp(min=0)
+    prefix = input_ids[:B].gather(1, prefix_columns) * in_prefix
+    prefix_mask = attention_mask[:B].gather(1, prefix_columns).long() * in_prefix
+    return PairSplit(prefix, prefix_mask, prefix_columns, conts, cont_mask, present, source, columns)
+
+
+def pair_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor, share_prompt: bool = True) -> torch.Tensor:
+    """``[2B]`` float32 sums of ``log π(token | before)`` over the tokens ``loss_mask`` counts, for DPO's rows
+    ``[chosen_1..B; rejected_1..B]`` (right padded): :func:`utils.rl_math.sequence_log_probs` of the full logits.
+
+    ``loss_mask`` counts only tokens from where chosen and rejected first differ (the prompt and any shared start
+    of the answers cancel out), so each pair's shared part runs once and its two continuations run on its KV
+    cache (:func:`answer_log_probs`), the LM head on the continuations alone. Without a shared token in some pair
+    or on a model that cannot share: one plain pass, the LM head from the first counted column on.
+    """
+    T = input_ids.shape[1]
+    shared = shared_lengths(input_ids, attention_mask)
+    if not (share_prompt and can_share_prompt(model)) or int(shared.min()) < 1:
+        counted = loss_mask[:, 1:].bool().any(dim=0).nonzero()
+        first = int(counted[0]) if len(counted) else T - 2
+        _, logits = _logits(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids(attention_mask[:, :-1]),
+                            T - 1 - first, forward_parameters(model))
+        logps = gather_log_probs(logits, input_ids[:, first + 1:])
+        return (logps * loss_mask[:, first + 1:]).sum(dim=1)
+    lengths = attention_mask.long().sum(dim=1)
+    B = len(shared)
+    split = split_pairs(input_ids, attention_mask, shared, torch.maximum(lengths[:B], lengths[B:]))
+    logps = answer_log_probs(model, split.prefix.repeat_interleave(2, dim=0),
+                             split.prefix_mask.repeat_interleave(2, dim=0), split.conts, split.cont_mask, group_size=2)
+    counted = loss_mask[split.source[:, None], split.columns] * split.cont_mask
+    sums = (logps * counted).sum(dim=1)
+    return torch.cat([sums[0::2], sums[1::2]])
