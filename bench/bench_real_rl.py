@@ -273,6 +273,55 @@ def checkpoint_weights(out: str) -> dict:
     return found
 
 
+ROW_NAMES = {"base": "SmolLM2-135M-Instruct", "grpo": "+ step 3 GRPO (this project)", "trl": "+ TRL GRPOTrainer",
+             "ppo": "+ comparisons → step 2 → step 3 PPO"}
+
+
+def table(results: dict) -> str:
+    """The held-out table (markdown): one row per model, the base first."""
+    rows = [name for name in ("base", "grpo", "trl", "ppo") if name in results]
+    head = ("| model | strict compliance | F1 constrained / plain | length (words) | bare answers | KL to base "
+            "| GSM8K | wall |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for name in rows:
+        r = results[name]
+        wall = results.get("wall", {}).get(name)
+        lines.append(f"| {ROW_NAMES[name]} | {r['strict']:.3f} | {r['f1']:.3f} / {r.get('plain_f1', float('nan')):.3f} "
+                     f"| {r['length']:.1f} | {100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | "
+                     f"{100 * r.get('gsm8k', float('nan')):.1f} % | {f'{wall / 60:.0f} min' if wall else '—'} |")
+    types = sorted(results["base"]["per_type"])
+    lines += ["", "| type (held-out count) | " + " | ".join(ROW_NAMES[n].split(" (")[0] for n in rows) + " |",
+              "|---|" + "---|" * len(rows)]
+    for t in types:
+        n = results["base"]["type_counts"][t]
+        lines.append(f"| `{t.split(':')[1]}` ({n}) | " + " | ".join(
+            f"{results[name]['per_type'].get(t, float('nan')):.2f}" for name in rows) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Strict compliance and the content guards against the RL step (the held-out curve of each run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for name, curve in results.get("curve", {}).items():
+        steps = sorted(curve, key=int)
+        x = [int(s) for s in steps]
+        for ax, key in zip(axes, ("strict", "f1", "bare")):
+            ax.plot(x, [curve[s][key] for s in steps], marker="o", label=ROW_NAMES[name])
+    for ax, title in zip(axes, ("strict compliance (held out)", "unigram F1 vs alpaca's answer",
+                                "bare answers (only the constraint)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -343,8 +392,12 @@ def main(argv=None):
             results[row] = evaluate(final, data, opts, base=base_model)
             curve[str(opts.steps)] = {k: results[row][k] for k in ("strict", "f1", "length", "bare")}
             save()
-    print(json.dumps({k: {m: v for m, v in r.items() if m not in ("examples", "per_type", "type_counts")}
-                      for k, r in results.items() if isinstance(r, dict) and "strict" in r}, indent=1))
+    print("\n" + table(results) + "\n")
+    plot(results, os.path.join(opts.work, "real_rl.png"))
+    for name in ("base", "grpo"):
+        for e in results.get(name, {}).get("examples", []):
+            print(f"{name}: {e['prompt']!r}\n  -> {e['answer']!r}")
+    print(f"plot: {os.path.join(opts.work, 'real_rl.png')}; numbers: {results_path}")
     return 0
 
 

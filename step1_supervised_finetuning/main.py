@@ -19,7 +19,7 @@ from utils.arguments import single_model_parser, validate_common
 from utils.checkpoint import CheckpointManager, run_inputs
 from utils.compat import check_zero_combination
 from utils.data.chat_template import training_format_file
-from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, pad_multiple
+from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, packs_sequences, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.finite import check_finite
@@ -46,7 +46,8 @@ def evaluate_perplexity(model, dataloader, device):
     with torch.no_grad():
         for batch in dataloader:
             batch = to_device(batch, device)
-            total += label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+            total += label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                batch.get("position_ids"))
             batches += 1
     loss = get_all_reduce_mean(total / max(batches, 1)).item()
     model.train()
@@ -76,7 +77,8 @@ def main(args):
         args.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
         args.max_seq_len, end_of_conversation_token=tokenizer.eos_token,
         sft_only_data_path=args.sft_only_data_path, log=log.info, apply_chat_template=args.apply_chat_template)
-    collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
+    collate = DataCollatorSFT(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device),
+                              pack=packs_sequences(device, model))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
@@ -114,11 +116,12 @@ def main(args):
                 break
             start = time.time()
             batch = to_device(batch, device)
-            loss = label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+            loss = label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"],
+                              batch.get("position_ids"))
             model.backward(loss)
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
-            tokens += int(batch["attention_mask"].sum())
+            tokens += int(batch["tokens"])
             if model.global_steps == step:  # gradients accumulated, no optimizer step yet
                 continue
             # the step's one host sync; a NaN in any micro-batch of the step stops the run before any save
@@ -132,7 +135,7 @@ def main(args):
             tokens = 0
             if throughput_due(step, total_steps):
                 log.info(throughput_line(model.module, model.module.config, time.time() - start,
-                                         args.per_device_train_batch_size, batch["input_ids"].shape[1],
+                                         batch["input_ids"].shape[0], batch["input_ids"].shape[1],
                                          get_world_size(), args.gradient_checkpointing))
             ckpt.step_done(step, {"model": model},
                            lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_ppl": first_ppl})

@@ -79,3 +79,84 @@ def test_real_model_bench_skips_in_one_line_without_the_model(tmp_path, capsys):
     assert load_real_model_bench().main(["--model", str(tmp_path / "absent")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith(f"skipped: no model folder at {tmp_path / 'absent'}")
+
+
+def load_module(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "sft", "rm", "dpo"])
+def test_peer_bench_commands_are_accepted_by_each_step(trainer, tmp_path):
+    """bench/bench_peers.py needs SmolLM2 and a TRL environment (never in the test run): our side's commands are
+    checked against the steps' parsers, and both sides get the same batch and length."""
+    bench = load_module("bench_peers")
+    opts = Namespace(steps=8, group=4, grpo_batch=16, answer_len=48, max_len=512, batch=4)
+    data = {"gsm8k": "g.jsonl", "hh": "hh", "hh_trl": "hh.jsonl"}
+    ours = bench.our_command(trainer, "model", data, str(tmp_path / "out"), opts)
+    module = {"grpo": MAINS["3"], "sft": MAINS["1"], "rm": MAINS["2"], "dpo": MAINS["dpo"]}[trainer]
+    assert ours[0] == module.replace(".", "/") + ".py"
+    args = importlib.import_module(module).parse_args(ours[1:])
+    assert args.apply_chat_template and args.max_steps == 8 and args.dtype == "fp32"
+    peer = bench.trl_command(trainer, "model", data, str(tmp_path / "trl"), opts)
+    assert peer[:2] == ["bench/peers/trl_run.py", trainer] and "--steps" in peer
+    if trainer == "grpo":
+        validate_step3(args)
+        assert (args.n_samples_per_prompt, args.per_device_training_batch_size, args.max_answer_seq_len,
+                args.kl_ctl) == (4, 16, 48, 0.04)
+        assert peer[peer.index("--batch") + 1] == "16" and peer[peer.index("--beta") + 1] == "0.04"
+    else:
+        validate_common(args)
+        assert args.per_device_train_batch_size == 4 and args.max_seq_len == 512
+        assert peer[peer.index("--batch") + 1] == "4" and peer[peer.index("--max_len") + 1] == "512"
+
+
+def test_peer_bench_times_steps_after_the_warm_up():
+    bench = load_module("bench_peers")
+    steps = [{"time": t, "tokens": 100 * (i + 1), "samples": 4} for i, t in enumerate([10.0, 13.0, 15.0, 18.0, 20.0])]
+    r = bench.summarize(steps, warmup=2, samples_per_step=4)  # timed: steps 3, 4, 5 (2, 3, 2 s)
+    assert r["timed_steps"] == 3 and r["s_per_step"] == 2.0
+    assert r["tokens_per_s"] == pytest.approx((300 + 400 + 500) / 7) and r["samples_per_s"] == pytest.approx(12 / 7)
+
+
+@pytest.mark.parametrize("name", ["bench_peers", "bench_real_rl"])
+def test_real_model_benches_skip_in_one_line_without_the_model(name, tmp_path, capsys):
+    assert load_module(name).main(["--model", str(tmp_path / "absent")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "skipped" in out[0]
+
+
+def test_real_rl_bench_metrics_by_hand():
+    bench = load_module("bench_real_rl")
+    assert bench.unigram_f1("the cat sat", "the cat ran away") == pytest.approx(2 * (2 / 3) * (2 / 4) / (2 / 3 + 2 / 4))
+    assert bench.unigram_f1("", "x") == 0.0
+    rows = [{"instruction_id_list": ["punctuation:no_comma", "startend:end_checker"],
+             "kwargs": [{}, {"end_phrase": "Bye."}], "reference_output": "Go home now. Bye."},
+            {"instruction_id_list": ["length_constraints:number_words"],
+             "kwargs": [{"relation": "less than", "num_words": 5}], "reference_output": "Short."}]
+    r = bench.score_constrained(rows, ["Go home now and rest well. Bye.", "Bye."])
+    assert r["strict"] == 1.0  # both keep all their constraints
+    assert r["per_type"] == {"length_constraints:number_words": 1.0, "punctuation:no_comma": 1.0,
+                             "startend:end_checker": 1.0}
+    assert r["length"] == 7.0  # the word-limited row is left out of the length guard
+    assert r["bare"] == 0.5  # the second answer has one word (fewer than 5 besides any required text)
+
+
+def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
+    bench = load_module("bench_real_rl")
+    opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11)
+    data = {"train": "train.jsonl"}
+    grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
+    args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
+    args.dtype = "fp32"
+    validate_step3(args)
+    assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11
+    collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
+    importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
+    validate_common(importlib.import_module(MAINS["2"]).parse_args(rm[1:]))
+    args = importlib.import_module(MAINS["3"]).parse_args(ppo[1:])
+    args.dtype = "fp32"
+    validate_step3(args)
+    assert args.advantage_estimator == "gae" and args.max_steps == 22

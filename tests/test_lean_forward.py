@@ -404,3 +404,39 @@ def test_reward_model_pairs_share_their_start_and_give_the_plain_loss(name, npab
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads):
         assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_a_packed_sft_batch_gives_the_padded_batch_loss_and_gradients(lm):
+    """Step 1 on a CPU packs its batch without padding (block-diagonal mask, positions restarting): the loss and
+    the gradients are the padded batch's."""
+    from utils.data.data_utils import DataCollatorSFT, packs_sequences
+    from utils.model.lean_forward import label_loss
+
+    assert packs_sequences(torch.device("cpu"), lm) and not packs_sequences(torch.device("cuda"), lm)
+    g = torch.Generator().manual_seed(4)
+    samples = [{"input_ids": torch.randint(3, lm.config.vocab_size, (n,), generator=g), "prompt_length": p}
+               for n, p in ((9, 4), (14, 0), (5, 2))]
+    results = []
+    for pack in (False, True):
+        b = DataCollatorSFT(1, 64, pack=pack)(samples)
+        assert int(b["tokens"]) == 28
+        lm.zero_grad()
+        loss = label_loss(lm, b["input_ids"], b["attention_mask"], b["labels"], b.get("position_ids"))
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in lm.parameters() if p.grad is not None]))
+    lm.zero_grad()
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    for a, b in zip(padded_grads, packed_grads):
+        assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_generation_with_the_prompt_prefilled_once_per_group_gives_the_same_answers():
+    trainer, engine = make_trainer("gae", lr=0.0)  # greedy
+    b = prompt_batch(trainer.tokenizer, 48)
+    prompts, mask = b["prompt"].repeat_interleave(3, 0), b["prompt_att_mask"].repeat_interleave(3, 0)
+    assert trainer._prefilled_cache(prompts, mask, 3) is not None  # the shared path is taken
+    trainer.eval()
+    shared, _ = trainer._generate_sequence(prompts, mask, group=3)
+    plain, _ = trainer._generate_sequence(prompts, mask, group=1)
+    assert torch.equal(shared, plain)

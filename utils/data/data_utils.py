@@ -411,20 +411,59 @@ def pad_multiple(device) -> int:
 
 class DataCollatorSFT:
     """Phase 1: right-pad to the batch's longest (rounded up to ``pad_to_multiple``, ≤ max_seq_len);
-    labels ignore padding, and a chat-template sample's prompt (its first ``prompt_length`` tokens)."""
+    labels ignore padding, and a chat-template sample's prompt (its first ``prompt_length`` tokens).
 
-    def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8):
+    ``pack=True`` (:func:`packs_sequences`): no padding at all. The batch's sequences go end to end in one row
+    (``input_ids``, ``labels``, ``position_ids`` restarting at 0 for each) with a block-diagonal causal
+    ``attention_mask [1, 1, L, L]`` (True = attend), so no sequence sees another and the loss is the padded
+    batch's (tests/test_data_utils.py); each sequence's first label is ignored, as it is when padded (nothing
+    before it predicts it). Every batch carries ``tokens``: its real tokens."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8, pack: bool = False):
         self.pad_token_id, self.max_seq_len, self.multiple = pad_token_id, max_seq_len, pad_to_multiple
+        self.pack = pack
 
     def __call__(self, samples):
         seqs = [s["input_ids"] if isinstance(s, dict) else s for s in samples]
+        seqs = [s[:self.max_seq_len] for s in seqs]
+        prompt_lengths = [s["prompt_length"] if isinstance(s, dict) else 0 for s in samples]
+        tokens = torch.tensor(sum(len(s) for s in seqs))
+        if self.pack:
+            return self._packed(seqs, prompt_lengths, tokens)
         length = min(_round_up(max(len(s) for s in seqs), self.multiple), self.max_seq_len)
         ids, mask = _right_pad(seqs, length, self.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
-        for i, sample in enumerate(samples):
-            if isinstance(sample, dict):
-                labels[i, :sample["prompt_length"]] = -100
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        for i, n in enumerate(prompt_lengths):
+            labels[i, :n] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "tokens": tokens}
+
+    @staticmethod
+    def _packed(seqs, prompt_lengths, tokens):
+        ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs])[None]
+        labels = ids.clone()
+        segments, positions, start = [], [], 0
+        for i, (s, n) in enumerate(zip(seqs, prompt_lengths)):
+            labels[0, start:start + max(n, 1)] = -100  # the prompt, and the first token at least
+            segments.append(torch.full((len(s),), i))
+            positions.append(torch.arange(len(s)))
+            start += len(s)
+        segment = torch.cat(segments)
+        L = len(segment)
+        mask = torch.tril(torch.ones(L, L, dtype=torch.bool)) & (segment[:, None] == segment[None, :])
+        return {"input_ids": ids, "attention_mask": mask[None, None], "position_ids": torch.cat(positions)[None],
+                "labels": labels, "tokens": tokens}
+
+
+# model types whose transformers 5 forward takes a 4-D attention mask with explicit position ids as given (checked
+# for llama and opt in tests/test_data_utils.py): step 1 packs its batches for these on a CPU
+PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt", "gemma", "gemma2", "phi3")
+
+
+def packs_sequences(device, model) -> bool:
+    """Step 1 packs each batch without padding (:class:`DataCollatorSFT`) on a CPU, where padding costs compute,
+    for the model types of :data:`PACKABLE_MODEL_TYPES`; on a GPU it pads to few shapes (:func:`pad_multiple`)."""
+    on_cpu = getattr(device, "type", str(device)) == "cpu"
+    return on_cpu and getattr(getattr(model, "config", None), "model_type", None) in PACKABLE_MODEL_TYPES
 
 
 class DataCollatorReward:

@@ -151,24 +151,30 @@ def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, an
 # --------------------------------------------------------------------------- language-model loss (step 1, PPO-ptx)
 
 
-def label_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def label_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross entropy, float32, the mean over the label positions that are not -100: the value of
     :func:`utils.rl_math.causal_lm_loss` on the full logits, with the LM head only on the columns that predict a
     label (from the first position any row predicts one to the last) and no ``log_softmax`` copy of the logits.
 
     Args:
         model: a causal LM (or a DeepSpeed engine around one).
-        input_ids, attention_mask: ``[B, T]`` right padded.
+        input_ids: ``[B, T]`` right padded, or packed sequences.
+        attention_mask: ``[B, T]``, or a packed batch's block-diagonal ``[B, 1, T, T]`` (with ``positions``).
         labels: ``[B, T]`` unshifted (position ``t`` predicts ``labels[t + 1]``), -100 = not counted.
+        positions: ``[B, T]`` position ids (default: from the 2-D ``attention_mask``).
     """
     counted = labels[:, 1:] != -100
     columns = counted.any(dim=0).nonzero()
+    n = int(columns[-1]) + 1 if len(columns) else 1  # the columns fed: up to the last that predicts a label
+    mask = attention_mask[..., :n, :n] if attention_mask.dim() == 4 else attention_mask[:, :n]
+    positions = position_ids(attention_mask[:, :n]) if positions is None else positions[:, :n]
     if len(columns) == 0:  # nothing to predict: a zero that still reaches every parameter's gradient
-        return model(input_ids[:, :1], attention_mask=attention_mask[:, :1], use_cache=False).logits.sum() * 0.0
-    first, last = int(columns[0]), int(columns[-1])
+        return model(input_ids[:, :1], attention_mask=mask, use_cache=False).logits.sum() * 0.0
+    first = int(columns[0])
     params = forward_parameters(model)
-    _, logits = _logits(model, input_ids[:, :last + 1], attention_mask[:, :last + 1],
-                        position_ids(attention_mask[:, :last + 1]), last + 1 - first, params)
+    _, logits = _logits(model, input_ids[:, :n], mask, positions, n - first, params)
+    last = n - 1
     targets = labels[:, first + 1:last + 2]
     logps = gather_log_probs(logits, targets)
     mask = (targets != -100).float()
