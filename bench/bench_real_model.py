@@ -165,7 +165,6 @@ def main(argv=None) -> int:
     if not os.path.isfile(opts.data):
         print(f"skipped: no data at {opts.data}")
         return 0
-    sys.path.insert(0, REPO)
     work = opts.work or tempfile.mkdtemp(prefix="bench-real-model-")
     plans = {fmt: step_commands(fmt, opts.model, opts.data, work, opts) for fmt in opts.formats}
     print(f"{datetime.date.today().isoformat()}; {versions()}; OMP_NUM_THREADS="

@@ -109,29 +109,32 @@ class Rollout:
     def _replace(self, **parts) -> "Rollout":
         return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info={})
 
+    def _columns(self, prompt, sequence, action, info: dict) -> "Rollout":
+        """The same rows with each 2-D tensor passed through ``prompt`` (``prompts``), ``sequence`` (``input_ids``,
+        ``attention_mask``) or ``action`` (the per-action tensors), each called with the field's name and value."""
+        parts = {}
+        for name in self._batch_fields():
+            value = getattr(self, name)
+            if value is None or name in self.LISTS or value.dim() < 2:
+                parts[name] = value
+            else:
+                fn = prompt if name == "prompts" else sequence if name in ("input_ids", "attention_mask") else action
+                parts[name] = fn(name, value)
+        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info=info)
+
     def trimmed(self) -> "Rollout":
         """The same rows without the prompt columns that are padding in every row and the answer columns
         after every row's end: views, so the numbers computed on them are those of the full width."""
         P, A = self.prompt_length, self.action_mask.shape[1]
         prompt_real = self.attention_mask[:, :P].any(dim=0).nonzero()
         answer_real = self.attention_mask[:, P:].any(dim=0).nonzero()
-        left = int(prompt_real[0]) if len(prompt_real) else P - 1
-        left = min(left, P - 1)  # keep one prompt column: its last position predicts the first answer token
+        # keep one prompt column at least: its last position predicts the first answer token
+        left = min(int(prompt_real[0]) if len(prompt_real) else P - 1, P - 1)
         right = int(answer_real[-1]) + 1 if len(answer_real) else A
         if left == 0 and right == A:
             return self
-        parts = {}
-        for name in self._batch_fields():
-            value = getattr(self, name)
-            if value is None or name in self.LISTS or value.dim() < 2:
-                parts[name] = value
-            elif name == "prompts":
-                parts[name] = value[:, left:]
-            elif name in ("input_ids", "attention_mask"):
-                parts[name] = value[:, left:P + right]
-            else:  # per action
-                parts[name] = value[:, :right]
-        return self._replace(**parts)
+        return self._columns(lambda _, v: v[:, left:], lambda _, v: v[:, left:P + right],
+                             lambda _, v: v[:, :right], info={})
 
     def micro_batches(self, size: int) -> List["Rollout"]:
         """Consecutive slices of ``size`` rows (the last may be shorter), each :meth:`trimmed` (views: writing into
@@ -149,17 +152,13 @@ class Rollout:
         left, right = prompt_length - self.prompt_length, answer_length - self.action_mask.shape[1]
         if left == 0 and right == 0:
             return self
-        parts = {}
-        for name in self._batch_fields():
-            value = getattr(self, name)
-            if value is None or name in self.LISTS or value.dim() < 2:
-                parts[name] = value
-                continue
-            fill = self.pad_token_id if name in ("prompts", "input_ids") else 0
-            pad = {"prompts": (left, 0), "input_ids": (left, right), "attention_mask": (left, right)}.get(
-                name, (0, right))
-            parts[name] = F.pad(value, pad, value=fill)
-        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info=dict(self.info))
+
+        def fill(name):
+            return self.pad_token_id if name in ("prompts", "input_ids") else 0
+
+        return self._columns(lambda n, v: F.pad(v, (left, 0), value=fill(n)),
+                             lambda n, v: F.pad(v, (left, right), value=fill(n)),
+                             lambda n, v: F.pad(v, (0, right), value=fill(n)), info=dict(self.info))
 
     @classmethod
     def cat(cls, rollouts: List["Rollout"]) -> "Rollout":

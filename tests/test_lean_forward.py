@@ -19,6 +19,7 @@ from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConf
 from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer, Rollout, old_logprobs_from_training_pass
 from utils.data.data_utils import DataCollatorRLHF
 from utils.model.lean_forward import answer_log_probs, can_share_prompt, position_ids, shared_group_size
+from tests.test_ppo_trainer import FakeEngine as Engine  # what the trainer uses of a DeepSpeed engine
 from utils.rl_math import gather_log_probs
 
 
@@ -165,31 +166,6 @@ def test_prompts_are_padded_to_the_longest_rounded_to_8_and_capped():
 
 
 # --------------------------------------------------------------------------- the trainer on a real tiny model
-
-
-class Engine(torch.nn.Module):
-    """What the trainer uses of a DeepSpeed engine, around a real model, with plain SGD."""
-
-    def __init__(self, module, lr=None):
-        super().__init__()
-        self.module = module
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr is not None else None
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def forward_value(self, *args, **kwargs):
-        return self.module.forward_value(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-    def zero_optimization_stage(self):
-        return 0
 
 
 def make_trainer(estimator, on_policy=False, lr=1e-2, G=2):

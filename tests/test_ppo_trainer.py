@@ -74,7 +74,7 @@ class FakeEngine(nn.Module):
     def __init__(self, module, lr=None):
         super().__init__()
         self.module = module
-        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr else None
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr is not None else None
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -673,6 +673,28 @@ def _index_of_nth(is_hit: torch.Tensor, n: int, default: int) -> torch.Tensor:
     return torch.where(hit, positions, torch.full_like(positions, default)).min(dim=1).values
 
 
+def _pair_indices(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, pad_token_id: int,
+                  num_padding_at_beginning: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(c_end, r_end, divergence, end)``, each ``[B]``: :func:`pairwise_reward_loss`'s indices (its docstring),
+    with its rules for identical pairs and its guards applied."""
+    B, L = chosen_ids.shape
+    npab = num_padding_at_beginning
+    c_end = _index_of_nth(chosen_ids == pad_token_id, npab, L)
+    r_end = _index_of_nth(rejected_ids == pad_token_id, npab, L)
+    differs = chosen_ids != rejected_ids
+    identical = ~differs.any(dim=1)
+    divergence = _index_of_nth(differs, 0, L)
+
+    full = torch.full_like(c_end, L)
+    end = torch.where(identical, full, torch.max(c_end, r_end))
+    divergence = torch.where(identical, full - 1, divergence)
+    r_end = torch.where(identical, c_end, r_end)
+
+    end = end.clamp(min=1)
+    divergence = torch.min(divergence, end - 1)
+    return c_end, r_end, divergence, end
+
+
 def pairwise_read_window(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, pad_token_id: int,
                          num_padding_at_beginning: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """``([B], [B])``: for each pair, the columns ``first … stop − 1`` whose values :func:`pairwise_reward_loss` reads
@@ -681,16 +703,7 @@ def pairwise_read_window(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, p
 
     Args and conventions as :func:`pairwise_reward_loss`.
     """
-    B, L = chosen_ids.shape
-    npab = num_padding_at_beginning
-    c_end = _index_of_nth(chosen_ids == pad_token_id, npab, L)
-    r_end = _index_of_nth(rejected_ids == pad_token_id, npab, L)
-    differs = chosen_ids != rejected_ids
-    identical = ~differs.any(dim=1)
-    divergence = _index_of_nth(differs, 0, L)
-    end = torch.where(identical, torch.full_like(c_end, L), torch.max(c_end, r_end)).clamp(min=1)
-    divergence = torch.min(torch.where(identical, torch.full_like(c_end, L - 1), divergence), end - 1)
-    r_end = torch.where(identical, c_end, r_end)
+    c_end, r_end, divergence, end = _pair_indices(chosen_ids, rejected_ids, pad_token_id, num_padding_at_beginning)
     c_score, r_score = (c_end - 1).clamp(min=0), (r_end - 1).clamp(min=0)
     first = torch.min(torch.min(divergence, c_score), r_score)
     stop = torch.max(torch.max(end, c_score + 1), r_score + 1)
@@ -732,20 +745,7 @@ def pairwise_reward_loss(
         ``(loss, chosen_scores, rejected_scores)``: scalar float32, ``[B]``, ``[B]``.
     """
     B, L = chosen_ids.shape
-    npab = num_padding_at_beginning
-    c_end = _index_of_nth(chosen_ids == pad_token_id, npab, L)
-    r_end = _index_of_nth(rejected_ids == pad_token_id, npab, L)
-    differs = chosen_ids != rejected_ids
-    identical = ~differs.any(dim=1)
-    divergence = _index_of_nth(differs, 0, L)
-
-    full = torch.full_like(c_end, L)
-    end = torch.where(identical, full, torch.max(c_end, r_end))
-    divergence = torch.where(identical, full - 1, divergence)
-    r_end = torch.where(identical, c_end, r_end)
-
-    end = end.clamp(min=1)
-    divergence = torch.min(divergence, end - 1)
+    c_end, r_end, divergence, end = _pair_indices(chosen_ids, rejected_ids, pad_token_id, num_padding_at_beginning)
 
     positions = torch.arange(L, device=chosen_ids.device).expand(B, L)
     span = (positions >= divergence[:, None]) & (positions < end[:, None])
