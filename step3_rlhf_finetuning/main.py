@@ -296,6 +296,10 @@ def validate_step3(args) -> None:
     if args.max_answer_seq_len < 2:
         raise UserInputError(f"--max_answer_seq_len {args.max_answer_seq_len}: answers of one token are dropped "
                              "(as in DeepSpeed-Chat), so no RL step could run; use 2 or more")
+    if args.enable_test_mode and 0 < args.test_stop_step < args.generation_batches:
+        raise UserInputError(f"--test_stop_step {args.test_stop_step} counts generation batches, as DeepSpeed-Chat's: "
+                             f"fewer than one round of --generation_batches {args.generation_batches}, so no RL step "
+                             "would run")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:
         raise UserInputError("--inference_tp_size > 1 needs --actor_zero_stage 3 "
                              "(tensor sharding in the hybrid engine)")
