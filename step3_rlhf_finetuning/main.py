@@ -478,9 +478,9 @@ def step_line(epoch: int, step: int, metrics: dict) -> str:
         parts.append(f"KL: {metrics['kl']:.4f}")
     parts += [f"answer length: {metrics['answer_len']:.1f}", f"dropped: {metrics['dropped']:.0f}"]
     if "groups_kept" in metrics:  # --dynamic_sampling
-        kept, drawn = metrics["groups_kept"], metrics["groups_kept"] + metrics["groups_filtered"]
-        parts.append(f"groups kept: {kept:.0f} of {drawn:.0f} in {metrics['sampled_batches']:.0f} batches "
-                     f"(filled: {metrics['groups_filled']:.0f})")
+        counts = [metrics[f"groups_{name}"] for name in ("kept", "filtered", "surplus", "filled")]
+        parts.append("groups kept: {:.0f} of {:.0f} in {:.0f} batches (all scoring the same: {:.0f}, surplus: {:.0f}, "
+                     "filled: {:.0f})".format(counts[0], sum(counts[:3]), metrics["sampled_batches"], *counts[1:]))
     return " | ".join(parts)
 
 
@@ -542,7 +542,7 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
     if "groups_kept" in info:  # --dynamic_sampling's counts, every rank's (RoundCollector)
         progress.groups_filtered_total += info["groups_filtered"]
         metrics.update({key: float(info[key]) for key in ("sampled_batches", "groups_kept", "groups_filtered",
-                                                          "groups_filled")},
+                                                          "groups_surplus", "groups_filled")},
                        groups_filtered_total=float(progress.groups_filtered_total))
     perf = step3_throughput(
         engine.actor.module.config, engine.critic.module.config if engine.critic else None,

@@ -278,7 +278,8 @@ class RoundCollector:
     ``groups_per_batch`` groups or ``--dynamic_sampling_max_batches`` batches were drawn (the same number on every
     rank: the decision takes the minimum over ranks). Every rank then trains on exactly that many groups: its first
     kept ones (the surplus is dropped, as DAPO does) and, when the limit came first, dropped groups masked out of every
-    loss and statistic (``valid`` and the action mask 0). So every rank and every round runs the same micro-batches,
+    loss and statistic (``valid`` and the action mask 0). ``info`` counts, over every rank, the groups kept, filtered
+    (all scoring the same), surplus (informative but beyond the round's) and filled, and the batches drawn. So every rank and every round runs the same micro-batches,
     the optimizer steps where it always does, and the on-policy shortcut still holds.
 
     ``reduce(tensor, op)`` sums (``op`` "sum") or takes the minimum ("min") in place over the ranks; by default
@@ -293,7 +294,7 @@ class RoundCollector:
 
     def _start(self) -> None:
         self.parts, self.spare, self.texts, self.info = [], [], [], {}
-        self.batches = self.kept_groups = self.spare_groups = self.filtered_groups = 0
+        self.batches = self.kept_groups = self.spare_groups = self.filtered_groups = self.surplus_groups = 0
 
     def add(self, rollout: Rollout, text: Optional[dict] = None):
         """Take one generation batch (scored, unless ``info["kept"]`` is 0) and its unsupervised text (or None);
@@ -323,10 +324,11 @@ class RoundCollector:
             rollout.scores = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
             keep = torch.zeros(groups, dtype=torch.bool, device=rollout.input_ids.device)
         kept, dropped = keep.nonzero().reshape(-1), (~keep).nonzero().reshape(-1)
-        if len(kept) and self.kept_groups < self.target:
-            kept = kept[:self.target - self.kept_groups]
-            self.parts.append(rollout.select(_group_rows(kept, G)))
-            self.kept_groups += len(kept)
+        taken = kept[:max(self.target - self.kept_groups, 0)]
+        if len(taken):
+            self.parts.append(rollout.select(_group_rows(taken, G)))
+            self.kept_groups += len(taken)
+        self.surplus_groups += len(kept) - len(taken)
         if len(dropped) and self.spare_groups < self.target:
             spare = dropped[:self.target - self.spare_groups]
             self.spare.append(rollout.select(_group_rows(spare, G)))
@@ -350,11 +352,12 @@ class RoundCollector:
             fill.action_mask.zero_()
             parts.append(fill)
         device = parts[0].input_ids.device
-        counts = torch.tensor([self.kept_groups, self.filtered_groups, filled], dtype=torch.float64, device=device)
+        counts = torch.tensor([self.kept_groups, self.filtered_groups, self.surplus_groups, filled],
+                              dtype=torch.float64, device=device)
         self.reduce(counts, "sum")
         ready = Rollout.cat(parts)
         ready.info = dict(self.info, sampled_batches=self.batches,
-                          **dict(zip(("groups_kept", "groups_filtered", "groups_filled"),
+                          **dict(zip(("groups_kept", "groups_filtered", "groups_surplus", "groups_filled"),
                                      (int(round(c)) for c in counts.tolist()))))
         texts = self.texts
         self._start()

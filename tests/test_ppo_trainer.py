@@ -454,11 +454,12 @@ def test_dynamic_sampling_refills_until_every_rank_has_its_groups_or_the_limit_t
     assert round0.prompt_text[::2] == ["b1g0", "b1g2", "b2g0"] and round0.valid.tolist() == [1] * 6
     assert round1.prompt_text[::2] == ["b2g0", "b3g0", "b1g0"]  # b1g0: a dropped group filling the place
     assert round1.valid.tolist() == [1, 1, 1, 1, 0, 0] and (round1.action_mask[4:] == 0).all()
-    # every rank's counts: kept 3 + 2; dropped 1 + 0 + 3 and 3 + 2 + 2; filled 0 + 1
+    # every rank's counts: kept 3 + 2; dropped 1 + 0 + 3 and 3 + 2 + 2; surplus: rank 0's b2g1, b2g2; filled 0 + 1
     for ready in (round0, round1):
         info = ready.info
-        counts = (info["sampled_batches"], info["groups_kept"], info["groups_filtered"], info["groups_filled"])
-        assert counts == (3, 5, 11, 1)
+        counts = (info["sampled_batches"], info["groups_kept"], info["groups_filtered"], info["groups_surplus"],
+                  info["groups_filled"])
+        assert counts == (3, 5, 11, 2, 1)
         assert info["batches"] == 3 and info["sequences"] == 18  # every batch drawn counts in the throughput
     trainer = dynamic_trainer()
     trainer.compute_advantages(round1)  # the filler group has advantage 0 and counts in no statistic
@@ -475,7 +476,8 @@ def test_dynamic_sampling_stops_once_the_round_is_full_and_skips_nothing_scored(
     assert collector.add(empty) is None
     ready, texts = collector.add(scored_batch(trainer, "b3", [0, 1, 1, 0, 1, 1]))
     assert ready.prompt_text[::2] == ["b1g0", "b1g2", "b3g0"] and ready.info["sampled_batches"] == 3
-    assert (ready.info["groups_kept"], ready.info["groups_filtered"], ready.info["groups_filled"]) == (3, 5, 0)
+    counts = ready.info["groups_kept"], ready.info["groups_filtered"], ready.info["groups_surplus"]
+    assert counts + (ready.info["groups_filled"],) == (3, 5, 1, 0)  # b3g1 is informative but not needed
     # a round with no informative group at all: every place filled, groups_kept 0 (step 3 skips it)
     collector = RoundCollector(dynamic_trainer(dynamic_sampling_max_batches=1).ppo, groups_per_batch=3)
     ready, _ = collector.add(scored_batch(trainer, "b4", [1, 1, 0, 0, 2, 2]))
