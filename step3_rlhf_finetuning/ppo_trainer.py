@@ -542,7 +542,9 @@ class DeepSpeedPPOTrainer:
                           pad_token_id=self.pad_token_id, info=info)
         if self.ref_model is not None:
             rollout.ref_logprobs = torch.zeros_like(rollout.logprobs)
-        if kept == 0:  # the same on every rank: all skip the round
+        if self.critic_model is not None:
+            rollout.values = torch.zeros_like(rollout.logprobs)
+        if kept == 0:  # the same on every rank: all skip the batch (dynamic sampling may fill a round with its rows)
             info["experience"] = time.time() - start
             return rollout
         with torch.no_grad(), deterministic(self.actor_model.module,

@@ -484,6 +484,24 @@ def test_dynamic_sampling_stops_once_the_round_is_full_and_skips_nothing_scored(
     assert ready.info["groups_kept"] == 0 and ready.valid.sum() == 0 and len(ready) == 6
 
 
+def test_dynamic_sampling_with_a_critic_fills_from_a_batch_that_scored_nothing():
+    """PPO's critic values exist on every batch (zeros where nothing was computed), so a round filled from a batch
+    whose answers were all dropped concatenates, trains the critic on its kept groups only and never NaNs."""
+    ppo = PPOConfig(n_samples_per_prompt=2, dynamic_sampling=True, dynamic_sampling_max_batches=2)
+    trainer, _ = make_trainer([[3, 4, EOS]] * 6, scores=[0.0] * 6, ppo=ppo, do_sample=True)
+    collector = RoundCollector(trainer.ppo, groups_per_batch=3)
+    empty = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    empty.info["kept"] = 0
+    assert empty.values is not None and empty.scores is None
+    assert collector.add(empty) is None
+    ready, _ = collector.add(scored_batch(trainer, "b2", [1, 0, 1, 1, 1, 1]))
+    assert ready.prompt_text[::2] == ["b2g0", "", ""] and ready.valid.tolist() == [1, 1, 0, 0, 0, 0]
+    trainer.compute_advantages(ready)
+    losses = trainer.train_step(ready)
+    assert math.isfinite(losses["actor_loss"].item()) and math.isfinite(losses["critic_loss"].item())
+    assert (ready.advantages[2:] == 0).all() and (ready.returns[2:] == ready.values[2:]).all()
+
+
 def test_without_dynamic_sampling_a_round_is_the_next_batches_that_kept_an_answer():
     trainer, _ = make_trainer([[3, 4, EOS]] * 3, scores=[1.0] * 3, ppo=PPOConfig(generation_batches=2))
     collector = RoundCollector(trainer.ppo, groups_per_batch=3)
