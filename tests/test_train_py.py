@@ -377,6 +377,23 @@ def test_a_critic_free_run_is_not_called_ppo(tmp_path, step3_args, title):
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["step3_algorithm"] == title
 
 
+def test_a_per_size_scripts_step_3_is_not_judged_without_the_scripts_own_flags(tmp_path):
+    """step3/.../run_1.3b.sh adds --actor_lora_dim 128 itself: train.py cannot know it, so step 3's flag checks
+    (which would refuse --only_optimize_lora without a LoRA rank) run only on commands it builds; the parser still
+    runs."""
+    argv = ["--step", "3", "--actor-model", "facebook/opt-1.3b", "--reward-model", "facebook/opt-350m",
+            "--output-dir", str(tmp_path), "--step3-args=--only_optimize_lora"]
+    args = train.parse_args(argv)
+    on_gpu = train.make_plan(args, 1)
+    assert on_gpu[0].size_script
+    train.check_step_flags(args, on_gpu)
+    with pytest.raises(train.PlanError, match="--only_optimize_lora needs --actor_lora_dim > 0"):
+        train.check_step_flags(args, train.make_plan(args, 0))  # the command train.py builds is known in full
+    with pytest.raises(train.PlanError, match="unrecognized arguments: --nonsense"):
+        args = train.parse_args(argv[:-1] + ["--step3-args=--nonsense"])
+        train.check_step_flags(args, train.make_plan(args, 1))
+
+
 def test_the_demos_own_flags_pass_every_steps_parser(tmp_path):
     """The check above must not refuse a good plan: the demo's, and DeepSpeed-Chat's OPT plan."""
     for argv in (["--demo"], ["--demo", "--step3-args", "--advantage_estimator rloo --n_samples_per_prompt 4 "
