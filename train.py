@@ -10,7 +10,7 @@ Layout (as in the reference)::
 
     {output}/actor-models/{actor}/    step 1: SFT actor          (+ training.log, metrics.jsonl)
     {output}/reward-models/{reward}/  step 2: reward model       (+ training.log, metrics.jsonl)
-    {output}/step3-models/{actor}/    step 3: PPO actor/critic   (+ training.log, metrics.jsonl)
+    {output}/step3-models/{actor}/    step 3: RL actor (+ critic for PPO)   (+ training.log, metrics.jsonl)
     {output}/summary.json, {output}/training_curves.png
 
 Each step is one child process: a per-size script ``stepN/training_scripts/opt/
@@ -23,6 +23,7 @@ step's ``training.log``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -33,8 +34,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig,  # pure dataclasses: no torch
-                                          field_defaults)
+from step3_rlhf_finetuning.algorithms import run_title  # the config and specs are pure: no torch
+from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
 from utils.files import lock_output_dir
@@ -57,7 +58,7 @@ class Step:
 STEPS = {
     1: Step(1, "step1_supervised_finetuning", "actor", "supervised fine-tuning (actor)"),
     2: Step(2, "step2_reward_model_finetuning", "reward", "reward model"),
-    3: Step(3, "step3_rlhf_finetuning", "step3", "RLHF with PPO"),
+    3: Step(3, "step3_rlhf_finetuning", "step3", "RLHF with PPO"),  # plan_step names the algorithm (step3_title)
 }
 # Before step 2 with --label-fn: the step-1 actor's sampled answers, ranked by the labelling function
 COLLECT = Step(2, "step2_reward_model_finetuning", "comparisons", "comparisons of the step-1 actor's answers",
@@ -234,6 +235,12 @@ class Launch:
     env: dict = field(default_factory=dict)  # set for this step only (a per-size script's HOSTFILE)
 
     @property
+    def size_script(self) -> bool:
+        """A DeepSpeed-Chat per-size script runs the step (it tees training.log itself; its own flags are not known
+        here)."""
+        return not self.tee
+
+    @property
     def log_path(self) -> str:
         return os.path.join(self.out_dir, "training.log")
 
@@ -299,6 +306,20 @@ def step3_models(flags: list) -> tuple[bool, bool]:
     except ValueError:  # an unknown estimator: step 3 refuses it with its own message
         return True, True
     return critic, RewardConfig(fn=known.reward_fn, fn_weight=known.reward_fn_weight).uses_model
+
+
+def step3_title(flags: list) -> str:
+    """Step 3's algorithm as its flags choose it ("PPO", "GRPO", "GRPO with GSPO's loss"): train.py's step name and the
+    summary's, so a critic-free run is not called PPO."""
+    parser = argparse.ArgumentParser(add_help=False)
+    defaults = field_defaults(PPOConfig)
+    parser.add_argument("--advantage_estimator", default=defaults["advantage_estimator"])
+    parser.add_argument("--policy_loss", default=defaults["policy_loss"])
+    known, _ = parser.parse_known_args(flags)
+    try:
+        return run_title(known.advantage_estimator, known.policy_loss)
+    except ValueError:  # an unknown name: step 3's parser refuses it with its own message
+        return run_title(defaults["advantage_estimator"], defaults["policy_loss"])
 
 
 def step3_uses_step2(args) -> bool:
@@ -391,6 +412,8 @@ def plan_collect(args) -> Launch:
 
 def plan_step(args, n: int, gpus: int) -> Launch:
     step = STEPS[n]
+    if n == 3:
+        step = dataclasses.replace(step, title=f"RLHF with {step3_title(extra_flags(args, 3))}")
     out = step_output_dir(args, n)
     needs = [(1, step_output_dir(args, 1))] + ([(2, step_output_dir(args, 2))] if step3_uses_step2(args) else []) \
         if n == 3 else []
@@ -485,7 +508,9 @@ def step_argv(args, launch: Launch) -> list:
 def check_step_flags(args, plan: list) -> None:
     """Each step's flags are parsed by that step's own parser before anything runs, so an unknown flag or a bad
     value in ``--step3-args`` is refused now rather than after steps 1 and 2 have trained (minutes here, hours on
-    real models); so are a ``--label-fn`` or step 3 ``--reward_fn`` file that does not exist or lacks the function."""
+    real models); so are a ``--label-fn`` or step 3 ``--reward_fn`` file that does not exist or lacks the function,
+    and whatever a step's own flag checks (its ``validate_flags``: step 3's) refuse, e.g. GRPO with one answer per
+    prompt."""
     import contextlib
     import importlib
     import io
@@ -498,7 +523,8 @@ def check_step_flags(args, plan: list) -> None:
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
-                parsed = importlib.import_module(module).parse_args([str(a) for a in step_argv(args, launch)])
+                step_module = importlib.import_module(module)
+                parsed = step_module.parse_args([str(a) for a in step_argv(args, launch)])
         except SystemExit as e:
             if not e.code:
                 raise
@@ -513,6 +539,13 @@ def check_step_flags(args, plan: list) -> None:
                     load_reward_fn(spec, flag=named)
                 except UserInputError as e:
                     raise PlanError(f"{e}; nothing was run") from None
+        # a per-size script's own flags are not known here: the checks could refuse what they would have made right
+        if hasattr(step_module, "validate_flags") and not launch.size_script:
+            try:
+                step_module.validate_flags(parsed)
+            except UserInputError as e:
+                raise PlanError(f"step {launch.step.number} ({launch.step.title}) would refuse its flags: {e} "
+                                f"(check {which}); nothing was run") from None
 
 
 # --------------------------------------------------------------------------- running
@@ -717,7 +750,7 @@ def main(args) -> int:
     folders = {n: step_output_dir(args, n) for n in STEPS}
     dataset = builtin_dataset(args)
     heldout = heldout_check(folders, dataset, step3_sampling(args)) if dataset else None
-    print(write_summary(args.output_dir, folders, times, heldout), flush=True)
+    print(write_summary(args.output_dir, folders, times, heldout, step3_title(extra_flags(args, 3))), flush=True)
     actor = step3_actor_dir(folders[3]) if 3 in args.step else folders[1]
     if args.demo and has_model(actor):
         chat_once(actor, DEMO_QUESTION)

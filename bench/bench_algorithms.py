@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""PPO against the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, REINFORCE++): what each does
-to the model, how fast it runs and how much memory it takes.
+"""PPO against the critic-free estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, REINFORCE++) and the policy
+losses of issue 32 (DAPO, GSPO, CISPO, each on GRPO): what each does to the model, how fast it runs and how much
+memory it takes.
 
-    .venv/bin/python bench/bench_algorithms.py --demo_dir output          # after `make demo`, ~15 min on 2 cores
+    .venv/bin/python bench/bench_algorithms.py --demo_dir output          # after `make demo`, ~20 min on 2 cores
     .venv/bin/python bench/bench_algorithms.py --demo_dir output --skip_speed
+    .venv/bin/python bench/bench_algorithms.py --demo_dir output --runs gae grpo dapo gspo cispo
 
 Two tables.
 
@@ -20,8 +22,14 @@ Two tables.
    process. samples/s is the mean of the throughput rows after the first step; peak RSS is the step-3
    process's maximum resident set (``wait4``).
 
+The rows (:data:`RUNS`): each estimator with PPO's loss as before, and GRPO with DAPO's pieces (clip-higher
+0.2 / 0.28, dynamic sampling, the token-mean loss), with GSPO's loss and with CISPO's loss (each at its own default
+ε). Dynamic sampling draws more prompt batches a step when groups all score the same: its samples/s counts every
+answer generated.
+
 Targets (issue 22, CPU): every critic-free estimator ≥ 1.3× PPO's samples/s and ≥ 25 % lower peak RSS on the
-small-opt-sized models; GRPO with ``builtin_rule`` raises the held-out rule score by ≥ 0.10.
+small-opt-sized models; GRPO with ``builtin_rule`` raises the held-out rule score by ≥ 0.10. The policy-loss rows have
+no target: they are measured beside GRPO.
 """
 from __future__ import annotations
 
@@ -35,8 +43,16 @@ import tempfile
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
+sys.path.insert(0, REPO)
+from step3_rlhf_finetuning.algorithms import ESTIMATORS  # noqa: E402 - the specs are torch-free
+
 GROUP = 4  # answers per prompt of the group estimators (and of reinforce, for the same batch of 16)
+# row name: (estimator, its step-3 flags besides the estimator's)
+RUNS = {**{name: (name, []) for name in ESTIMATORS},
+        "dapo": ("grpo", ["--cliprange", "0.2", "--cliprange_high", "0.28", "--dynamic_sampling", "--loss_agg",
+                          "token_mean"]),
+        "gspo": ("grpo", ["--policy_loss", "gspo"]),
+        "cispo": ("grpo", ["--policy_loss", "cispo"])}
 
 
 def estimator_flags(estimator: str, answers: int) -> list:
@@ -45,6 +61,12 @@ def estimator_flags(estimator: str, answers: int) -> list:
         return ["--per_device_generation_batch_size", str(answers)]
     return ["--advantage_estimator", estimator, "--n_samples_per_prompt", str(GROUP),
             "--per_device_generation_batch_size", str(answers // GROUP)]
+
+
+def run_flags(name: str, answers: int) -> list:
+    """The step-3 flags of row ``name`` of :data:`RUNS`."""
+    estimator, extra = RUNS[name]
+    return estimator_flags(estimator, answers) + extra
 
 
 def run(cmd: list, log_path: str) -> dict:
@@ -81,8 +103,24 @@ def without(cmd: list, names) -> list:
     return train.drop_flags(cmd, [n.lstrip("-") for n in names])
 
 
-def quality_runs(demo_dir: str, work: str, kl_ctl: float) -> list:
+def quality_command(base: list, name: str, reward: str, out: str, kl_ctl: float) -> list:
+    """The demo's step-3 command ``base`` turned into row ``name``'s with ``reward`` ("reward model" or
+    "builtin_rule")."""
     from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS
+
+    estimator = RUNS[name][0]
+    cmd = without(base, ["--output_dir", "--per_device_generation_batch_size"])
+    if not ESTIMATORS[estimator].critic:
+        cmd = without(cmd, CRITIC_ONLY_FLAGS)
+        if reward != "reward model":  # a function alone: no critic, no reward model
+            cmd = without(cmd, ["--critic_model_name_or_path"])
+    cmd += run_flags(name, 16) + ["--output_dir", out, "--overwrite", "--kl_ctl", str(kl_ctl)]
+    if reward != "reward model":
+        cmd += ["--reward_fn", "builtin_rule"]
+    return cmd
+
+
+def quality_runs(demo_dir: str, work: str, kl_ctl: float, names) -> list:
     from utils.heldout import heldout_check
 
     import train
@@ -93,16 +131,9 @@ def quality_runs(demo_dir: str, work: str, kl_ctl: float) -> list:
                         sampling)["actors"]["1"]
     rows = []
     for reward in ("reward model", "builtin_rule"):
-        for estimator in ESTIMATORS:
+        for estimator in names:
             out = os.path.join(work, f"quality-{estimator}-{reward.replace(' ', '_')}")
-            cmd = without(base, ["--output_dir", "--per_device_generation_batch_size"])
-            if estimator != "gae":
-                cmd = without(cmd, CRITIC_ONLY_FLAGS)
-                if reward != "reward model":  # a function alone: no critic, no reward model
-                    cmd = without(cmd, ["--critic_model_name_or_path"])
-            cmd += estimator_flags(estimator, 16) + ["--output_dir", out, "--overwrite", "--kl_ctl", str(kl_ctl)]
-            if reward != "reward model":
-                cmd += ["--reward_fn", "builtin_rule"]
+            cmd = quality_command(base, estimator, reward, out, kl_ctl)
             print(f"quality: {estimator} with {reward} ...", flush=True)
             stats = run(cmd, out + ".log")
             actor = heldout_check({3: os.path.join(out, "actor")}, None, "builtin/demonstrations",
@@ -118,7 +149,21 @@ def quality_runs(demo_dir: str, work: str, kl_ctl: float) -> list:
 
 # --------------------------------------------------------------------------- 2. speed and memory
 
-def speed_runs(work: str, steps: int, model: str) -> list:
+def speed_command(name: str, model_path: str, reward: str, work: str, steps: int) -> list:
+    """Row ``name``'s step-3 command of the speed table (``reward``: the step-2 folder, the reward model)."""
+    cmd = [sys.executable, os.path.join(REPO, "step3_rlhf_finetuning/main.py"),
+           "--actor_model_name_or_path", model_path, "--critic_model_name_or_path", reward,
+           "--data_path", "builtin/preference", "--data_output_path", os.path.join(work, "data"),
+           "--output_dir", os.path.join(work, f"speed-{name}"), "--overwrite", "--max_steps", str(steps + 1),
+           "--num_warmup_steps", "0", "--per_device_training_batch_size", "16", "--max_prompt_seq_len", "32",
+           "--max_answer_seq_len", "24", "--do_sample", "--dtype", "fp32", "--actor_learning_rate", "1e-5",
+           *run_flags(name, 16)]
+    if ESTIMATORS[RUNS[name][0]].critic:
+        cmd += ["--critic_learning_rate", "1e-5"]
+    return cmd
+
+
+def speed_runs(work: str, steps: int, model: str, names) -> list:
     from utils.model.critic import create_critic_model, save_reward_model
     from utils.model.model_utils import load_hf_tokenizer
     from utils.model.tiny import resolve_model_path
@@ -128,16 +173,9 @@ def speed_runs(work: str, steps: int, model: str) -> list:
     if not os.path.isdir(reward):
         save_reward_model(create_critic_model(model, tokenizer, None, num_padding_at_beginning=1), tokenizer, reward)
     rows = []
-    for estimator in ESTIMATORS:
+    for estimator in names:
         out = os.path.join(work, f"speed-{estimator}")
-        cmd = [sys.executable, os.path.join(REPO, "step3_rlhf_finetuning/main.py"),
-               "--actor_model_name_or_path", resolve_model_path(model), "--critic_model_name_or_path", reward,
-               "--data_path", "builtin/preference", "--data_output_path", os.path.join(work, "data"),
-               "--output_dir", out, "--overwrite", "--max_steps", str(steps + 1), "--num_warmup_steps", "0",
-               "--per_device_training_batch_size", "16", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "24",
-               "--do_sample", "--dtype", "fp32", "--actor_learning_rate", "1e-5", *estimator_flags(estimator, 16)]
-        if estimator == "gae":
-            cmd += ["--critic_learning_rate", "1e-5"]
+        cmd = speed_command(estimator, resolve_model_path(model), reward, work, steps)
         print(f"speed: {estimator} on {model} ...", flush=True)
         stats = run(cmd, out + ".log")
         later = train_rows(out)[1:]
@@ -157,14 +195,17 @@ def main(argv=None) -> int:
     parser.add_argument("--skip_speed", action="store_true")
     parser.add_argument("--speed_model", default="small-opt", help="Actor and reward model of the speed table.")
     parser.add_argument("--speed_steps", type=int, default=8, help="Timed RL steps (after one warm-up step).")
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
+                        help="The rows to run (default: all; the speed table's first row is its baseline, gae).")
     parser.add_argument("--json", default=None, help="Also write the results here.")
     args = parser.parse_args(argv)
+    names = ["gae"] + [name for name in args.runs if name != "gae"]  # PPO is every table's reference
     work = args.work or tempfile.mkdtemp(prefix="bench-algorithms-")
     os.makedirs(work, exist_ok=True)
     results, ok = {}, True
 
     if not args.skip_quality:
-        sft, *rows = quality_runs(os.path.abspath(args.demo_dir), work, args.kl_ctl)
+        sft, *rows = quality_runs(os.path.abspath(args.demo_dir), work, args.kl_ctl, names)
         results["quality"] = {"sft": sft["sft"], "runs": rows}
         print(f"\nheld-out rule score gain over the step-1 actor (greedy {sft['sft']['greedy']:.3f}, sampled "
               f"{sft['sft']['sampled']:.3f}); the demo's actor, reward model and step-3 flags with --kl_ctl {args.kl_ctl}, "
@@ -176,13 +217,14 @@ def main(argv=None) -> int:
             print(f"| {r['estimator']} | {r['reward']} | {r['gain_greedy']:+.3f} | {r['gain_sampled']:+.3f} | "
                   f"{r['greedy']:.3f} / {r['sampled']:.3f} | {r['samples_per_sec']:.1f} | {r['peak_rss_mib']:.0f} | "
                   f"{r['wall']:.0f} |")
-        grpo_rule = next(r for r in rows if r["estimator"] == "grpo" and r["reward"] == "builtin_rule")
-        target = grpo_rule["gain_greedy"] >= 0.10 and grpo_rule["gain_sampled"] >= 0.10
-        ok = ok and target
-        print(f"target: GRPO with builtin_rule gains ≥ 0.10 greedy and sampled: {'ok' if target else 'FAIL'}")
+        grpo_rule = next((r for r in rows if r["estimator"] == "grpo" and r["reward"] == "builtin_rule"), None)
+        if grpo_rule is not None:
+            target = grpo_rule["gain_greedy"] >= 0.10 and grpo_rule["gain_sampled"] >= 0.10
+            ok = ok and target
+            print(f"target: GRPO with builtin_rule gains ≥ 0.10 greedy and sampled: {'ok' if target else 'FAIL'}")
 
     if not args.skip_speed:
-        rows = speed_runs(work, args.speed_steps, args.speed_model)
+        rows = speed_runs(work, args.speed_steps, args.speed_model, names)
         results["speed"] = rows
         ppo = rows[0]
         print(f"\nspeed and memory on {args.speed_model}-sized actor and reward model (16 answers a step, prompt 32 + "
@@ -191,7 +233,8 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             speedup, rss = r["samples_per_sec"] / ppo["samples_per_sec"], r["peak_rss_mib"] / ppo["peak_rss_mib"] - 1
-            target = "" if r is ppo else ("ok" if speedup >= 1.3 and rss <= -0.25 else "FAIL")
+            target = "" if r is ppo or r["estimator"] not in ESTIMATORS else \
+                ("ok" if speedup >= 1.3 and rss <= -0.25 else "FAIL")
             ok = ok and target != "FAIL"
             print(f"| {r['estimator']} | {r['samples_per_sec']:.2f} | {speedup:.2f}× | {r['step_seconds']:.2f} | "
                   f"{r['peak_rss_mib']:.0f} | {rss:+.0%} | {r['wall']:.0f} | {target} |")

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Regenerate docs/flags.md's flag tables from the entry points' own argument parsers.
+"""Regenerate docs/flags.md's flag tables from the entry points' own argument parsers, and docs/algorithms.md's
+estimator, policy-loss and aggregation tables from step 3's specs (step3_rlhf_finetuning/algorithms.py).
 
-    python scripts/gen_readme_tables.py           # rewrite the tables in docs/flags.md
-    python scripts/gen_readme_tables.py --check   # exit 1 when docs/flags.md is out of date
+    python scripts/gen_readme_tables.py           # rewrite the tables in docs/flags.md and docs/algorithms.md
+    python scripts/gen_readme_tables.py --check   # exit 1 when either page is out of date
 
-Each table lives between ``<!-- flags:NAME:start -->`` and ``<!-- flags:NAME:end -->``
-(NAME: a key of :data:`ENTRY_POINTS`). The parser is captured by importing the
+Each flag table lives between ``<!-- flags:NAME:start -->`` and ``<!-- flags:NAME:end -->``
+(NAME: a key of :data:`ENTRY_POINTS`); each spec table between ``<!-- specs:NAME:start -->`` and
+``<!-- specs:NAME:end -->`` (NAME: a key of ``algorithms.DOC_TABLES``). The parser is captured by importing the
 entry point and calling its ``parse_args`` with ``ArgumentParser.parse_args``
 replaced by a trap, so nothing is trained, initialised or downloaded.
 """
@@ -19,7 +21,8 @@ import re
 import sys
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-README = os.path.join(REPO, "docs", "flags.md")  # the page that holds the tables
+README = os.path.join(REPO, "docs", "flags.md")  # the page that holds the flag tables
+ALGORITHMS = os.path.join(REPO, "docs", "algorithms.md")  # the page that holds the spec tables
 ENTRY_POINTS = {
     "step1": "step1_supervised_finetuning/main.py",
     "step2": "step2_reward_model_finetuning/main.py",
@@ -28,7 +31,8 @@ ENTRY_POINTS = {
     "train": "train.py",
     "collect": "step2_reward_model_finetuning/collect_comparisons.py",
 }
-REGION = re.compile(r"(<!-- flags:(?P<name>\w+):start -->\n)(?P<body>.*?)(<!-- flags:(?P=name):end -->)", re.S)
+REGION = re.compile(r"(<!-- (?P<kind>flags|specs):(?P<name>\w+):start -->\n)(?P<body>.*?)"
+                    r"(<!-- (?P=kind):(?P=name):end -->)", re.S)
 
 
 class _Captured(Exception):
@@ -99,13 +103,24 @@ def table_for(name: str) -> str:
     return flags_table(load_parser(relpath))
 
 
+def spec_table(name: str) -> str:
+    sys.path.insert(0, REPO)
+    from step3_rlhf_finetuning.algorithms import DOC_TABLES
+
+    if name not in DOC_TABLES:
+        raise KeyError(f"unknown specs region {name!r}; known: {', '.join(DOC_TABLES)}")
+    return DOC_TABLES[name]()
+
+
 def render(readme: str) -> str:
-    """``readme`` with every flags region regenerated."""
+    """``readme`` with every flags and specs region regenerated."""
     def replace(match):
         name = match.group("name")
+        if match.group("kind") == "specs":
+            return match.group(1) + spec_table(name) + match.group(5)
         if name not in ENTRY_POINTS:
             raise KeyError(f"unknown flags region {name!r}; known: {', '.join(ENTRY_POINTS)}")
-        return match.group(1) + table_for(name) + match.group(4)
+        return match.group(1) + table_for(name) + match.group(5)
 
     return REGION.sub(replace, readme)
 
@@ -113,22 +128,25 @@ def render(readme: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="Only check; exit 1 when the page is out of date.")
-    p.add_argument("--readme", default=README, help="The page to rewrite (docs/flags.md).")
+    p.add_argument("--readme", default=README, help="The flags page to rewrite (docs/flags.md).")
+    p.add_argument("--algorithms", default=ALGORITHMS, help="The algorithms page to rewrite (docs/algorithms.md).")
     args = p.parse_args(argv)
-    with open(args.readme) as f:
-        current = f.read()
-    fresh = render(current)
-    if args.check:
+    stale = 0
+    for page in (args.readme, args.algorithms):
+        with open(page) as f:
+            current = f.read()
+        fresh = render(current)
+        if args.check:
+            if fresh != current:
+                print(f"{page}: generated tables are out of date; run python scripts/gen_readme_tables.py",
+                      file=sys.stderr)
+                stale = 1
+            continue
         if fresh != current:
-            print(f"{args.readme}: flag tables are out of date; run python scripts/gen_readme_tables.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    if fresh != current:
-        with open(args.readme, "w") as f:
-            f.write(fresh)
-    print(f"{args.readme}: flag tables {'updated' if fresh != current else 'already up to date'}")
-    return 0
+            with open(page, "w") as f:
+                f.write(fresh)
+        print(f"{page}: generated tables {'updated' if fresh != current else 'already up to date'}")
+    return stale
 
 
 if __name__ == "__main__":

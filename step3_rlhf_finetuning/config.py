@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from step3_rlhf_finetuning.algorithms import (ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, EstimatorSpec,
+                                              PolicyLossSpec, estimator_spec, policy_loss_spec, run_title)
+
 if TYPE_CHECKING:  # this module stays free of torch: train.py reads the RL rules from it
     from utils.training import OptimConfig
 
@@ -41,57 +44,82 @@ def field_defaults(cls) -> dict:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-# The advantage estimators (``--advantage_estimator``): ``gae`` is DeepSpeed-Chat's PPO with a critic; the
-# others are critic-free (utils.rl_math.SEQUENCE_ESTIMATORS). OpenRLHF's name ``group_norm`` means ``grpo``.
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
-ESTIMATOR_ALIASES = {"group_norm": "grpo"}
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")  # compare the answers of one prompt: G ≥ 2
-# (use_kl_loss, kl_estimator) by estimator, as in the papers: PPO (DeepSpeed-Chat), RLOO and REINFORCE++ put a
-# k1 KL penalty into the reward; GRPO and Dr. GRPO add a k3 KL term to the loss.
 # Flags only the critic reads: refused when no critic is built (a critic-free --advantage_estimator)
 CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_zero_stage", "critic_dropout",
                      "critic_gradient_checkpointing", "critic_lora_dim", "critic_lora_module_name",
                      "critic_lora_learning_rate", "cliprange_value", "lam", "align_overflow")
-KL_DEFAULTS = {"gae": (False, "k1"), "grpo": (True, "k3"), "dr_grpo": (True, "k3"), "rloo": (False, "k1"),
-               "reinforce_baseline": (False, "k1"), "reinforce": (False, "k1")}
+DYNAMIC_SAMPLING_BATCHES = 4  # --dynamic_sampling_max_batches left unset: this many times --generation_batches
 
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """The RL update: advantage estimator, samples per prompt, KL penalty, clipping, GAE, passes, unsupervised
-    mixing, fp16 overflow handling. ``use_kl_loss`` / ``kl_estimator`` left None take the estimator's defaults
-    (:data:`KL_DEFAULTS`)."""
+    """The RL update: advantage estimator, policy loss and its aggregation, samples per prompt, KL penalty, clipping,
+    GAE, DAPO's pieces, passes, unsupervised mixing, fp16 overflow handling. Fields left None take the defaults of
+    the estimator's or the policy loss's spec (:mod:`step3_rlhf_finetuning.algorithms`): ``use_kl_loss``,
+    ``kl_estimator``, ``loss_agg`` (the policy loss's where it fixes one, else the estimator's), ``cliprange`` and
+    ``cliprange_high`` (``--cliprange`` when only that is given); ``dynamic_sampling_max_batches``:
+    :data:`DYNAMIC_SAMPLING_BATCHES` × ``generation_batches``."""
     advantage_estimator: str = "gae"
+    policy_loss: str = "ppo"
     n_samples_per_prompt: int = 1
     kl_ctl: float = 0.1
     kl_estimator: str | None = None
     use_kl_loss: bool | None = None
+    loss_agg: str | None = None
     clip_reward_value: float = 5.0
-    cliprange: float = 0.2
+    cliprange: float | None = None
+    cliprange_high: float | None = None
     cliprange_value: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
     ppo_epochs: int = 1
     generation_batches: int = 1
+    mask_truncated_answers: bool = False  # answers without an end token (cut at --max_answer_seq_len): no loss
+    overlong_penalty: int = 0  # DAPO's soft length penalty over the last this many tokens before the cap (0: off)
+    dynamic_sampling: bool = False  # DAPO: groups whose scores are all equal are dropped, the round refilled
+    dynamic_sampling_max_batches: int | None = None  # the most generation batches one round may draw
     unsup_coef: float = 27.8
     align_overflow: bool = False  # fp16 only (from_args turns it off, with a warning, for other dtypes)
     ema_beta: float = 0.992  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
 
     def __post_init__(self):
-        estimator = ESTIMATOR_ALIASES.get(self.advantage_estimator, self.advantage_estimator)
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {self.advantage_estimator!r}")
-        use_kl_loss, kl_estimator = KL_DEFAULTS[estimator]
-        object.__setattr__(self, "advantage_estimator", estimator)
+        estimator, loss = estimator_spec(self.advantage_estimator), policy_loss_spec(self.policy_loss)
+        resolved = {"advantage_estimator": estimator.name}
         if self.use_kl_loss is None:
-            object.__setattr__(self, "use_kl_loss", use_kl_loss)
+            resolved["use_kl_loss"] = estimator.kl_in_loss
         if self.kl_estimator is None:
-            object.__setattr__(self, "kl_estimator", kl_estimator)
+            resolved["kl_estimator"] = estimator.kl_estimator
+        if self.loss_agg is None:
+            resolved["loss_agg"] = loss.loss_agg or estimator.loss_agg
+        if self.loss_agg is not None and self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"unknown loss aggregation {self.loss_agg!r}")
+        if self.cliprange_high is None:
+            resolved["cliprange_high"] = (self.cliprange if self.cliprange is not None
+                                          else loss.cliprange if loss.cliprange_high is None else loss.cliprange_high)
+        if self.cliprange is None:
+            resolved["cliprange"] = loss.cliprange
+        if self.dynamic_sampling_max_batches is None:
+            resolved["dynamic_sampling_max_batches"] = DYNAMIC_SAMPLING_BATCHES * self.generation_batches
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def estimator_spec(self) -> EstimatorSpec:
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def policy_loss_spec(self) -> PolicyLossSpec:
+        return POLICY_LOSSES[self.policy_loss]
 
     @property
     def uses_critic(self) -> bool:
         """Only PPO (GAE) learns a value function."""
-        return self.advantage_estimator == "gae"
+        return self.estimator_spec.critic
+
+    @property
+    def title(self) -> str:
+        """The run's name: "PPO", "GRPO with GSPO's loss" (:func:`~step3_rlhf_finetuning.algorithms.run_title`)."""
+        return run_title(self.advantage_estimator, self.policy_loss)
 
 
 @dataclass(frozen=True)
@@ -186,11 +214,15 @@ class Step3Config:
                               gradient_checkpointing=getattr(args, f"{name}_gradient_checkpointing"),
                               grad_accum=grad_accum, offload_frozen=offload_frozen)
 
-        ppo = PPOConfig(advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
-                        kl_ctl=args.kl_ctl, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
+        ppo = PPOConfig(advantage_estimator=args.advantage_estimator, policy_loss=args.policy_loss,
+                        n_samples_per_prompt=args.n_samples_per_prompt, kl_ctl=args.kl_ctl,
+                        kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss, loss_agg=args.loss_agg,
                         clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
-                        cliprange_value=args.cliprange_value, gamma=args.gamma, lam=args.lam,
-                        ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
+                        cliprange_high=args.cliprange_high, cliprange_value=args.cliprange_value, gamma=args.gamma,
+                        lam=args.lam, ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
+                        mask_truncated_answers=args.mask_truncated_answers, overlong_penalty=args.overlong_penalty,
+                        dynamic_sampling=args.dynamic_sampling,
+                        dynamic_sampling_max_batches=args.dynamic_sampling_max_batches,
                         unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
         reward = RewardConfig(fn=args.reward_fn, fn_weight=args.reward_fn_weight)
         # with mixing, a micro-batch's PPO and LM gradients share one actor update (as DeepSpeed-Chat)

@@ -30,9 +30,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, ESTIMATOR_ALIASES, ESTIMATORS, GROUP_ESTIMATORS,
-                                          GenerationConfig, PPOConfig, RewardConfig, Step3Config, field_defaults)
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, cut_batches,
+from step3_rlhf_finetuning.algorithms import (ESTIMATOR_ALIASES, ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
+                                              default_help, estimator_spec)
+from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, DYNAMIC_SAMPLING_BATCHES, GenerationConfig, PPOConfig,
+                                          RewardConfig, Step3Config, field_defaults)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, cut_batches,
                                                old_logprobs_from_training_pass, reward_ema, summarize_rollout)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
@@ -108,19 +110,46 @@ def build_parser() -> argparse.ArgumentParser:
                         "alone, and no reward model is loaded).")
 
     g = parser.add_argument_group("RL algorithm")
+    specs = ESTIMATORS.values()
     g.add_argument("--advantage_estimator", default=ppo["advantage_estimator"],
-                   choices=ESTIMATORS + tuple(ESTIMATOR_ALIASES),
-                   help="gae = PPO with a critic (DeepSpeed-Chat); critic-free: grpo (group_norm), dr_grpo, rloo, "
-                        "reinforce_baseline (these compare the answers of one prompt: --n_samples_per_prompt ≥ 2) "
-                        "and reinforce (REINFORCE++).")
+                   choices=tuple(ESTIMATORS) + tuple(ESTIMATOR_ALIASES),
+                   help="; ".join(f"{s.name} = {s.title}" + (f" ({', '.join(s.aliases)})" if s.aliases else "")
+                                  for s in specs)
+                        + ". Only gae has a critic; " + ", ".join(s.name for s in specs if s.group)
+                        + " compare the answers of one prompt (--n_samples_per_prompt ≥ 2). docs/algorithms.md.")
+    g.add_argument("--policy_loss", default=ppo["policy_loss"], choices=tuple(POLICY_LOSSES),
+                   help="The actor's per-token loss, with any estimator: "
+                        + "; ".join(f"{s.name} = {s.title}" for s in POLICY_LOSSES.values())
+                        + " (ppo: the token ratio's clipped surrogate; gspo: the answer's ratio, clipped per answer; "
+                          "cispo: the clipped importance weight, detached, times the log-prob).")
+    g.add_argument("--loss_agg", default=ppo["loss_agg"], choices=tuple(LOSS_AGGREGATIONS),
+                   help="How the actor's per-token losses of an optimizer step make its loss (verl's names): "
+                        + "; ".join(f"{name} = {text}" for name, text in LOSS_AGGREGATIONS.items())
+                        + f". Default: {default_help('loss_agg')}.")
     g.add_argument("--n_samples_per_prompt", type=int, default=ppo["n_samples_per_prompt"],
                    help="Answers sampled per prompt (G); they form one group.")
     g.add_argument("--kl_estimator", default=ppo["kl_estimator"], choices=KL_ESTIMATORS,
                    help="KL(actor || reference) estimator: k1 = log-ratio, k2 = ½·log-ratio², k3 = unbiased and "
-                        "≥ 0 (default: k3 for grpo/dr_grpo, k1 for the others).")
+                        f"≥ 0 (default: {default_help('kl_estimator')}).")
     g.add_argument("--use_kl_loss", default=ppo["use_kl_loss"], action=argparse.BooleanOptionalAction,
-                   help="KL penalty in the loss (β·KL, β = --kl_ctl) instead of in the reward (default: in the "
-                        "loss for grpo/dr_grpo, in the reward for the others, as in their papers).")
+                   help="KL penalty in the loss (β·KL, β = --kl_ctl, aggregated as --loss_agg) instead of in the "
+                        f"reward (default: {default_help('use_kl_loss')}, as in their papers).")
+
+    g = parser.add_argument_group("DAPO's pieces")
+    g.add_argument("--mask_truncated_answers", action="store_true",
+                   help="Answers cut at --max_answer_seq_len (no end token) count in no loss; they keep their place "
+                        "in their group's statistics.")
+    g.add_argument("--overlong_penalty", type=int, default=ppo["overlong_penalty"], metavar="L",
+                   help="DAPO's soft overlong penalty, added to the score: 0 up to --max_answer_seq_len − L tokens, "
+                        "then falling linearly to −1 at --max_answer_seq_len (0 = off).")
+    g.add_argument("--dynamic_sampling", action="store_true",
+                   help="Drop the groups whose answers all score the same (no advantage to learn from) and refill the "
+                        "round from further prompt batches, up to --dynamic_sampling_max_batches; counts logged. "
+                        "Needs --n_samples_per_prompt ≥ 2.")
+    g.add_argument("--dynamic_sampling_max_batches", type=int, default=ppo["dynamic_sampling_max_batches"],
+                   help="The most generation batches one round may draw with --dynamic_sampling (default: "
+                        f"{DYNAMIC_SAMPLING_BATCHES} × --generation_batches); when they give too few groups, the "
+                        "round is filled with groups masked out of every loss.")
 
     g = parser.add_argument_group("PPO")
     g.add_argument("--per_device_generation_batch_size", type=int, default=16, help="Prompts per generation batch.")
@@ -135,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kl_ctl", type=float, default=ppo["kl_ctl"], help="KL penalty coefficient β.")
     g.add_argument("--clip_reward_value", type=float, default=ppo["clip_reward_value"],
                    help="Scores are clipped to ±this.")
-    g.add_argument("--cliprange", type=float, default=ppo["cliprange"], help="PPO ratio clip ε of the actor loss.")
+    g.add_argument("--cliprange", type=float, default=ppo["cliprange"],
+                   help="ε_low: the actor loss clips its ratio (cispo: its weight) below at 1 − ε_low (default: "
+                        f"{default_help('cliprange')}).")
+    g.add_argument("--cliprange_high", type=float, default=ppo["cliprange_high"],
+                   help="ε_high: the upper clip at 1 + ε_high (DAPO's clip-higher when above --cliprange; default: "
+                        f"{default_help('cliprange_high')}).")
     g.add_argument("--cliprange_value", type=float, default=ppo["cliprange_value"],
                    help="Value clip of the critic loss (gae).")
     g.add_argument("--gamma", type=float, default=ppo["gamma"], help="Discount γ.")
@@ -182,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    args.advantage_estimator = ESTIMATOR_ALIASES.get(args.advantage_estimator, args.advantage_estimator)
+    args.advantage_estimator = estimator_spec(args.advantage_estimator).name
     apply_test_mode(args)
     return args
 
@@ -199,12 +233,13 @@ def validate_rl(args) -> None:
     estimator, G = args.advantage_estimator, args.n_samples_per_prompt
     if G < 1:
         raise UserInputError(f"--n_samples_per_prompt must be ≥ 1, got {G}")
-    if estimator in GROUP_ESTIMATORS and G < 2:
+    if estimator_spec(estimator).group and G < 2:
         raise UserInputError(f"--advantage_estimator {estimator} compares the answers of one prompt: it needs "
                              f"--n_samples_per_prompt ≥ 2 (got {G}); e.g. --n_samples_per_prompt 4 --do_sample")
     if G > 1 and not args.do_sample:
         raise UserInputError(f"--n_samples_per_prompt {G} needs --do_sample: greedy decoding gives the same answer "
                              f"{G} times")
+    validate_dapo(args)
     if args.reward_fn_weight is not None and not (args.reward_fn and math.isfinite(args.reward_fn_weight)):
         raise UserInputError("--reward_fn_weight needs --reward_fn and must be a finite number")
     config = PPOConfig(advantage_estimator=estimator)
@@ -233,6 +268,23 @@ def validate_rl(args) -> None:
         load_reward_fn(args.reward_fn)  # unknown name, missing file or function: refused before any set-up
 
 
+def validate_dapo(args) -> None:
+    """DAPO's pieces: the overlong buffer fits in the answer, dynamic sampling has groups to compare and a limit it
+    can reach."""
+    if not 0 <= args.overlong_penalty <= args.max_answer_seq_len:
+        raise UserInputError(f"--overlong_penalty {args.overlong_penalty}: the penalised tokens must be between 0 "
+                             f"(off) and --max_answer_seq_len {args.max_answer_seq_len}")
+    if args.dynamic_sampling and args.n_samples_per_prompt < 2:
+        raise UserInputError("--dynamic_sampling drops the groups whose answers all score the same: it needs "
+                             f"--n_samples_per_prompt ≥ 2 (got {args.n_samples_per_prompt}), or every group is dropped")
+    if args.dynamic_sampling_max_batches is not None:
+        if not args.dynamic_sampling:
+            raise UserInputError("--dynamic_sampling_max_batches needs --dynamic_sampling")
+        if args.dynamic_sampling_max_batches < args.generation_batches:
+            raise UserInputError(f"--dynamic_sampling_max_batches {args.dynamic_sampling_max_batches} is below "
+                                 f"--generation_batches {args.generation_batches}: a round draws at least that many")
+
+
 def validate_step3(args) -> None:
     """DeepSpeed-Chat's step-3 checks (and a few more), as clear errors before anything is built."""
     validate_common(args)
@@ -244,6 +296,10 @@ def validate_step3(args) -> None:
     if args.max_answer_seq_len < 2:
         raise UserInputError(f"--max_answer_seq_len {args.max_answer_seq_len}: answers of one token are dropped "
                              "(as in DeepSpeed-Chat), so no RL step could run; use 2 or more")
+    if args.enable_test_mode and 0 < args.test_stop_step < args.generation_batches:
+        raise UserInputError(f"--test_stop_step {args.test_stop_step} counts generation batches, as DeepSpeed-Chat's: "
+                             f"fewer than one round of --generation_batches {args.generation_batches}, so no RL step "
+                             "would run")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:
         raise UserInputError("--inference_tp_size > 1 needs --actor_zero_stage 3 "
                              "(tensor sharding in the hybrid engine)")
@@ -262,13 +318,21 @@ def validate_step3(args) -> None:
     if not math.isfinite(args.unsup_coef):
         raise UserInputError(f"--unsup_coef must be finite, got {args.unsup_coef}")
     check_sampling_args(args)
-    for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_value", "gamma", "lam"):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
-            raise UserInputError(f"--{name} must be a finite number ≥ 0, got {getattr(args, name)}")
+    for name in ("kl_ctl", "clip_reward_value", "cliprange", "cliprange_high", "cliprange_value", "gamma", "lam"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UserInputError(f"--{name} must be a finite number ≥ 0, got {value}")
     for name in ("gamma", "lam"):  # a discount and GAE's λ weigh future terms: above 1 the returns blow up
         if getattr(args, name) > 1:
             raise UserInputError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
     validate_rl(args)
+
+
+def validate_flags(args) -> None:
+    """Every check of step 3's flags that builds and reads nothing: :func:`main` runs it first, and train.py before
+    step 1, so a run is refused before earlier steps spend their time."""
+    validate_step3(args)
+    check_zero_combination(args)
 
 
 def micro_batches_per_round(args) -> int:
@@ -333,34 +397,39 @@ def parameter_checksum(engine, zero_stage: int) -> float | None:
     return float(total)
 
 
-def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch: int, ppo_epochs: int) -> dict:
-    """``ppo_epochs`` passes over the round's micro-batches (actor, critic for gae; + LM loss on the text, + EMA):
-    the mean of each loss and the rows each model trained on (this rank)."""
+def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch: int, ppo_epochs: int,
+             per_step: int) -> dict:
+    """``ppo_epochs`` passes over the round's micro-batches (actor, critic for gae; + LM loss on the text, + EMA),
+    reshuffled after each pass, as DeepSpeed-Chat; each micro-batch's actor loss is normalised over its optimizer step
+    of ``per_step`` micro-batches (``--loss_agg``, :meth:`DeepSpeedPPOTrainer.loss_normalizers`). Returns the mean of
+    each loss and the rows each model trained on (this rank)."""
     micro = rollout.micro_batches(micro_batch)
     unsup = cut_batches(unsup_batches, micro_batch) if unsup_batches else [None] * len(micro)
-    sums, iters, rows = {}, 0, {"actor_rows": 0, "critic_rows": 0}
+    schedule = []  # (micro-batch, text) in training order
     for _ in range(ppo_epochs):
-        for batch, text in zip(micro, unsup):
-            losses = trainer.train_step(batch)
-            rows["actor_rows"] += len(batch)
-            rows["critic_rows"] += len(batch) if "critic_loss" in losses else 0
-            if text is not None:
-                losses["unsup_loss"] = trainer.train_unsupervised(text)
-                rows["actor_rows"] += text["input_ids"].shape[0]
-            for name, value in losses.items():
-                sums[name] = sums.get(name, 0.0) + value.item()
-            trainer.update_ema()
-            iters += 1
+        schedule += list(zip(micro, unsup))
         random.shuffle(micro)
         random.shuffle(unsup)
-    return {**{name: total / iters for name, total in sums.items()}, **rows}
+    normalizers = trainer.loss_normalizers([batch for batch, _ in schedule], per_step)
+    sums, rows = {}, {"actor_rows": 0, "critic_rows": 0}
+    for (batch, text), normalizer in zip(schedule, normalizers):
+        losses = trainer.train_step(batch, normalizer)
+        rows["actor_rows"] += len(batch)
+        rows["critic_rows"] += len(batch) if "critic_loss" in losses else 0
+        if text is not None:
+            losses["unsup_loss"] = trainer.train_unsupervised(text)
+            rows["actor_rows"] += text["input_ids"].shape[0]
+        for name, value in losses.items():
+            sums[name] = sums.get(name, 0.0) + value.item()
+        trainer.update_ema()
+    return {**{name: total / len(schedule) for name, total in sums.items()}, **rows}
 
 
 def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
-    """Rank-averaged step metrics: reward, answer length and (with a reference model) KL (k3) over the kept
-    answers of every rank, and the mean of each loss."""
+    """Rank-averaged step metrics: reward, answer length, the share cut at the length cap and (with a reference
+    model) KL (k3) over the kept answers of every rank, and the mean of each loss."""
     sums = summarize_rollout(rollout)
-    names = [k for k in ("kept", "reward_sum", "answer_len_sum", "kl_sum") if k in sums]
+    names = [k for k in ("kept", "reward_sum", "answer_len_sum", "truncated_sum", "kl_sum") if k in sums]
     loss_names = sorted(name for name in losses if name.endswith("_loss"))
     values = torch.stack([sums[k].double().cpu() for k in names]
                          + [torch.tensor(float(losses[n]), dtype=torch.float64) for n in loss_names])
@@ -385,6 +454,19 @@ def throughput_constants(config, engine) -> dict:
     return constants
 
 
+def algorithm_line(ppo: PPOConfig) -> str:
+    """The run's policy loss, clip range, aggregation and DAPO's pieces, for the log."""
+    parts = [f"policy loss: {ppo.policy_loss} (clip 1 − {ppo.cliprange:g} … 1 + {ppo.cliprange_high:g})",
+             f"loss aggregation: {ppo.loss_agg}"]
+    if ppo.mask_truncated_answers:
+        parts.append("answers cut at the length cap masked out of the losses")
+    if ppo.overlong_penalty:
+        parts.append(f"overlong penalty over the last {ppo.overlong_penalty} tokens")
+    if ppo.dynamic_sampling:
+        parts.append(f"dynamic sampling (at most {ppo.dynamic_sampling_max_batches} generation batches a round)")
+    return "; ".join(parts)
+
+
 def step_line(epoch: int, step: int, metrics: dict) -> str:
     """The step's log line (DeepSpeed-Chat's, with the losses this run has)."""
     parts = [f"Epoch: {epoch}", f"Step: {step}", f"Actor Loss: {metrics['actor_loss']:.4f}"]
@@ -395,6 +477,10 @@ def step_line(epoch: int, step: int, metrics: dict) -> str:
     if "kl" in metrics:
         parts.append(f"KL: {metrics['kl']:.4f}")
     parts += [f"answer length: {metrics['answer_len']:.1f}", f"dropped: {metrics['dropped']:.0f}"]
+    if "groups_kept" in metrics:  # --dynamic_sampling
+        counts = [metrics[f"groups_{name}"] for name in ("kept", "filtered", "surplus", "filled")]
+        parts.append("groups kept: {:.0f} of {:.0f} in {:.0f} batches (all scoring the same: {:.0f}, surplus: {:.0f}, "
+                     "filled: {:.0f})".format(counts[0], sum(counts[:3]), metrics["sampled_batches"], *counts[1:]))
     return " | ".join(parts)
 
 
@@ -408,13 +494,15 @@ class Progress:
     gen_step: int = 0
     dropped_total: int = 0  # answers dropped so far (≤ 1 token), all ranks
     dropped_logged: int = 0
+    groups_filtered_total: int = 0  # --dynamic_sampling: groups dropped as all scoring the same, all ranks
     ema_reward: float | None = None
     history: list = field(default_factory=list)  # every step's metrics
 
     @classmethod
     def from_checkpoint(cls, state: dict | None) -> "Progress":
-        """A fresh start (``state`` None) or the saved progress (the checkpoint adds its own keys: ignored)."""
-        return cls(**{f.name: state[f.name] for f in fields(cls)}) if state else cls()
+        """A fresh start (``state`` None) or the saved progress (the checkpoint adds its own keys: ignored; a field an
+        older checkpoint lacks keeps its default)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state}) if state else cls()
 
 
 def training_batches(args, prompt_loader, unsup_loader, progress: Progress, log):
@@ -451,11 +539,16 @@ def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_t
                    dropped_total=progress.dropped_total)
     progress.dropped_logged = progress.dropped_total
     info = rollout.info
+    if "groups_kept" in info:  # --dynamic_sampling's counts, every rank's (RoundCollector)
+        progress.groups_filtered_total += info["groups_filtered"]
+        metrics.update({key: float(info[key]) for key in ("sampled_batches", "groups_kept", "groups_filtered",
+                                                          "groups_surplus", "groups_filled")},
+                       groups_filtered_total=float(progress.groups_filtered_total))
     perf = step3_throughput(
         engine.actor.module.config, engine.critic.module.config if engine.critic else None,
         experience_time=info["experience"], generate_time=info["generate"], train_time=train_time,
         sequences=info["sequences"], seq_length=rollout.input_ids.shape[1],
-        answer_length=args.max_answer_seq_len, generated_tokens=info["generated_tokens"] // args.generation_batches,
+        answer_length=args.max_answer_seq_len, generated_tokens=info["generated_tokens"] // max(info["batches"], 1),
         actor_train_samples=losses["actor_rows"], critic_train_samples=losses["critic_rows"],
         world_size=get_world_size(), **context["perf_constants"])
     progress.history.append(metrics)
@@ -519,8 +612,7 @@ def save_models(args, engine, tokenizer, log) -> None:
 
 def main(args):
     # ---- fail fast on bad flags, model folders and data, before any set-up
-    validate_step3(args)
-    check_zero_combination(args)
+    validate_flags(args)
     preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
               reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}
               if args.critic_model_name_or_path else {}, phase=3,
@@ -556,33 +648,36 @@ def main(args):
         engines["actor_ema"] = ModuleState(engine.actor_ema)
     progress = Progress.from_checkpoint(ckpt.resume(engines))
 
-    # ---- train: generate -> score -> advantages -> optimise, once per --generation_batches prompt batches
+    # ---- train: generate -> score -> collect a round -> advantages -> optimise
     ppo = config.ppo
     log.info(f"***** Running RL ({ppo.advantage_estimator}{', critic-free' if engine.critic is None else ''}, "
              f"{ppo.n_samples_per_prompt} answer(s) per prompt): {rl_steps} RL steps, {total_iters} optimizer steps "
              f"per model, unsupervised mixing {'on' if config.unsupervised else 'off'} *****")
-    rollouts, texts = [], []
+    log.info(algorithm_line(ppo))
+    rounds = RoundCollector(ppo, args.per_device_generation_batch_size)
     for batch, text in training_batches(args, prompt_loader, unsup_loader, progress, log):
         batch = to_device(batch, device)
         rollout = trainer.generate(batch["prompt"], batch["prompt_att_mask"], batch["prompt_text"], batch["rows"],
                                    progress.gen_step)
         progress.dropped_total += rollout.info["dropped"]
         if rollout.info["kept"] == 0:
-            log.warning(f"generation batch {progress.gen_step}: every answer had ≤ 1 token; skipped "
+            log.warning(f"generation batch {progress.gen_step}: every answer had ≤ 1 token; nothing to score "
                         f"({progress.dropped_total} answers dropped so far)")
+        else:
+            rollout.scores = trainer.score(rollout)
+        ready = rounds.add(rollout, to_device(text, device) if text is not None else None)
+        if ready is None:  # --generation_batches batches (with --dynamic_sampling: their groups) not there yet
             continue
-        rollout.scores = trainer.score(rollout)
-        rollouts.append(rollout)
-        if text is not None:
-            texts.append(to_device(text, device))
-        if len(rollouts) < args.generation_batches:
+        rollout, texts = ready
+        if rollout.info.get("groups_kept") == 0:
+            log.warning(f"--dynamic_sampling: no group with different scores in {rollout.info['sampled_batches']} "
+                        "generation batches (--dynamic_sampling_max_batches); no RL step on them")
             continue
-        rollout, rollouts = Rollout.cat(rollouts), []
         trainer.compute_advantages(rollout)  # on the whole round: every group (and REINFORCE++'s batch) intact
         progress.rl_step += 1
         train_start = time.time()
-        losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs)
-        texts = []
+        losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs,
+                          args.gradient_accumulation_steps)
         report_step(log, progress, rollout, losses, time.time() - train_start, context)
         ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
 

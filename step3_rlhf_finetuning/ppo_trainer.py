@@ -1,11 +1,12 @@
 """Step 3's RL trainer: generate answers, score them, estimate advantages, optimise the actor (and the critic).
 
-One round of step 3 is four calls, each on the whole round's :class:`Rollout`::
+One round of step 3 is these calls, each on a generation batch or on the whole round's :class:`Rollout`::
 
     rollout = trainer.generate(prompts, mask, prompt_text, rows)   # answers, log π_ref (, log π_old, V_old)
     rollout.scores = trainer.score(rollout)                       # reward model and/or reward function
-    trainer.compute_advantages(rollout)                            # --advantage_estimator, groups intact
-    losses = trainer.train_step(micro) for micro in rollout.micro_batches(...)   # actor (+ critic for gae)
+    round = rounds.add(rollout)                                    # RoundCollector: --generation_batches batches
+    trainer.compute_advantages(round)                              # --advantage_estimator, groups intact
+    losses = trainer.train_step(micro, normalizer) for micro in round.micro_batches(...)  # actor (+ critic)
 
 All math comes from :mod:`utils.rl_math`; this module only moves tensors between the models.
 Shapes: ``B`` answers (``--n_samples_per_prompt`` G per prompt, next to each other), prompt
@@ -35,9 +36,10 @@ import torch.nn.functional as F
 
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.model.lean_forward import answer_log_probs, can_share_prompt, label_loss, position_ids
-from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, answer_action_mask, approx_kl,
-                           count_real_answer_tokens, critic_loss, discounted_returns, ema_update,
-                           gae_advantages_and_returns, kl_loss, kl_penalized_rewards, masked_whiten)
+from utils.rl_math import (aggregate_loss, answer_action_mask, approx_kl, count_real_answer_tokens, critic_loss,
+                           discounted_returns, ema_update, gae_advantages_and_returns, informative_groups,
+                           kl_estimate, kl_penalized_rewards, loss_count, masked_whiten, overlong_penalty,
+                           step_normalizers)
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Rollout:
     ref_logprobs       [B, A]     log π_ref(action); None without a reference model (``--kl_ctl 0``)
     valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
     answer_len         [B]        real answer tokens (before the first end token)
+    truncated          [B]        1 = no end token: cut at --max_answer_seq_len (masked out of the losses with
+                                  --mask_truncated_answers)
     prompt_text, rows  lists      each answer's prompt text and dataset row (reward functions)
     answers            list       the decoded answers (reward functions, --print_answers)
     values             [B, A]     critic values V_old of the state before each action (gae only)
@@ -65,7 +69,8 @@ class Rollout:
 
     ``group_size`` G: rows ``g·G … g·G + G − 1`` answer the same prompt. ``pad_token_id`` fills the columns
     that :meth:`cat` adds. ``info`` holds per-round counts and timings (seconds; summed by :meth:`cat`):
-    generate, experience, generated_tokens, sequences, dropped.
+    generate, experience, generated_tokens, sequences, dropped, kept, tokens, batches; a round from
+    :class:`RoundCollector` with ``--dynamic_sampling`` adds its group counts.
     """
     prompts: torch.Tensor
     input_ids: torch.Tensor
@@ -75,6 +80,7 @@ class Rollout:
     ref_logprobs: Optional[torch.Tensor]
     valid: torch.Tensor
     answer_len: torch.Tensor
+    truncated: Optional[torch.Tensor] = None
     prompt_text: List[str] = field(default_factory=list)
     rows: List[dict] = field(default_factory=list)
     answers: List[str] = field(default_factory=list)
@@ -135,6 +141,16 @@ class Rollout:
             return self
         return self._columns(lambda _, v: v[:, left:], lambda _, v: v[:, left:P + right],
                              lambda _, v: v[:, :right], info={})
+
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        """The rows ``rows`` (indices, in that order) as a new rollout (copies; ``info`` empty)."""
+        index = rows.tolist()
+        parts = {}
+        for name in self._batch_fields():
+            value = getattr(self, name)
+            parts[name] = (None if value is None else [value[i] for i in index] if name in self.LISTS
+                           else value[rows.to(value.device)])
+        return self._replace(**parts)
 
     def micro_batches(self, size: int) -> List["Rollout"]:
         """Consecutive slices of ``size`` rows (the last may be shorter), each :meth:`trimmed` (views: writing into
@@ -239,12 +255,122 @@ def old_logprobs_from_training_pass(ppo, micro_batches_per_round: int, grad_accu
             and not kl_in_reward)
 
 
+def _group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The row indices of the groups ``groups`` (indices), each group's ``group_size`` rows in order."""
+    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
+
+
+def _distributed_reduce(tensor: torch.Tensor, op: str) -> None:
+    """In place over every rank (``sum`` or ``min``); nothing with one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
+        torch.distributed.all_reduce(tensor, op=ops[op])
+
+
+class RoundCollector:
+    """Scored generation batches → rounds (DeepSpeed-Chat's MiniDataset, plus DAPO's dynamic sampling).
+
+    Without ``--dynamic_sampling`` a round is the next ``--generation_batches`` batches that kept an answer (a batch
+    whose answers were all dropped is skipped). With it, each batch keeps only its informative groups
+    (:func:`utils.rl_math.informative_groups` on the clipped scores: two or more valid answers that do not all score
+    the same), and batches are drawn until every rank holds the round's ``--generation_batches`` ×
+    ``groups_per_batch`` groups or ``--dynamic_sampling_max_batches`` batches were drawn (the same number on every
+    rank: the decision takes the minimum over ranks). Every rank then trains on exactly that many groups: its first
+    kept ones (the surplus is dropped, as DAPO does) and, when the limit came first, dropped groups masked out of every
+    loss and statistic (``valid`` and the action mask 0). ``info`` counts, over every rank, the groups kept, filtered
+    (all scoring the same), surplus (informative but beyond the round's) and filled, and the batches drawn. So every rank and every round runs the same micro-batches,
+    the optimizer steps where it always does, and the on-policy shortcut still holds.
+
+    ``reduce(tensor, op)`` sums (``op`` "sum") or takes the minimum ("min") in place over the ranks; by default
+    ``torch.distributed``'s.
+    """
+
+    def __init__(self, ppo, groups_per_batch: int, reduce=None):
+        self.ppo = ppo
+        self.target = ppo.generation_batches * groups_per_batch
+        self.reduce = reduce or _distributed_reduce
+        self._start()
+
+    def _start(self) -> None:
+        self.parts, self.spare, self.texts, self.info = [], [], [], {}
+        self.batches = self.kept_groups = self.spare_groups = self.filtered_groups = self.surplus_groups = 0
+
+    def add(self, rollout: Rollout, text: Optional[dict] = None):
+        """Take one generation batch (scored, unless ``info["kept"]`` is 0) and its unsupervised text (or None);
+        ``(round, texts)`` when a round is complete, else None."""
+        if not self.ppo.dynamic_sampling:
+            if rollout.info["kept"] == 0:
+                return None
+            self.parts.append(rollout)
+            self.texts += [text] if text is not None else []
+            if len(self.parts) < self.ppo.generation_batches:
+                return None
+            ready = Rollout.cat(self.parts), self.texts
+            self._start()
+            return ready
+        return self._add_filtered(rollout, text)
+
+    def _add_filtered(self, rollout: Rollout, text: Optional[dict]):
+        G, ppo = rollout.group_size, self.ppo
+        groups = len(rollout) // G
+        self.batches += 1
+        for key, value in rollout.info.items():
+            self.info[key] = self.info.get(key, 0) + value
+        if rollout.info["kept"] > 0:
+            clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
+            keep = informative_groups(clipped, G, rollout.valid).to(rollout.input_ids.device)
+        else:  # nothing was scored: every group is one to fill with
+            rollout.scores = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
+            keep = torch.zeros(groups, dtype=torch.bool, device=rollout.input_ids.device)
+        kept, dropped = keep.nonzero().reshape(-1), (~keep).nonzero().reshape(-1)
+        taken = kept[:max(self.target - self.kept_groups, 0)]
+        if len(taken):
+            self.parts.append(rollout.select(_group_rows(taken, G)))
+            self.kept_groups += len(taken)
+        self.surplus_groups += len(kept) - len(taken)
+        if len(dropped) and self.spare_groups < self.target:
+            spare = dropped[:self.target - self.spare_groups]
+            self.spare.append(rollout.select(_group_rows(spare, G)))
+            self.spare_groups += len(spare)
+        self.filtered_groups += len(dropped)
+        if text is not None and len(self.texts) < ppo.generation_batches:
+            self.texts.append(text)
+        fewest = torch.tensor([float(self.kept_groups)], dtype=torch.float64, device=rollout.input_ids.device)
+        self.reduce(fewest, "min")
+        if fewest.item() < self.target and self.batches < ppo.dynamic_sampling_max_batches:
+            return None
+        return self._finish(G)
+
+    def _finish(self, G: int):
+        filled = min(self.target - self.kept_groups, self.spare_groups)
+        parts = list(self.parts)
+        if filled:
+            fill = Rollout.cat(self.spare)
+            fill = fill.select(torch.arange(filled * G, device=fill.input_ids.device))
+            fill.valid.zero_()
+            fill.action_mask.zero_()
+            parts.append(fill)
+        device = parts[0].input_ids.device
+        counts = torch.tensor([self.kept_groups, self.filtered_groups, self.surplus_groups, filled],
+                              dtype=torch.float64, device=device)
+        self.reduce(counts, "sum")
+        ready = Rollout.cat(parts)
+        ready.info = dict(self.info, sampled_batches=self.batches,
+                          **dict(zip(("groups_kept", "groups_filtered", "groups_surplus", "groups_filled"),
+                                     (int(round(c)) for c in counts.tolist()))))
+        texts = self.texts
+        self._start()
+        return ready, texts
+
+
 def summarize_rollout(rollout: Rollout) -> dict:
-    """Per-rank sums over kept answers for logging: count, reward, answer length and (with a reference model)
-    KL (k3: never negative)."""
+    """Per-rank sums over kept answers for logging: count, reward, answer length, answers cut at the length cap and
+    (with a reference model) KL (k3: never negative)."""
     valid = rollout.valid.float()
     sums = {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
             "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
+    if rollout.truncated is not None:
+        sums["truncated_sum"] = (rollout.truncated.float() * valid).sum()
     if rollout.ref_logprobs is not None:
         kl = approx_kl(rollout.logprobs, rollout.ref_logprobs, rollout.action_mask, "k3")
         sums["kl_sum"] = (kl.float() * valid).sum()
@@ -286,6 +412,7 @@ class DeepSpeedPPOTrainer:
         self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = generation.logprob_temperature
+        self.policy_loss_fn = ppo.policy_loss_spec.loss_function()  # --policy_loss's per-token loss
         # on-policy (old_logprobs_from_training_pass): log π_old is the training pass's, no pass of its own
         self.on_policy = on_policy
         if on_policy:
@@ -374,9 +501,11 @@ class DeepSpeedPPOTrainer:
         """``--n_samples_per_prompt`` answers to each of ``prompts [b, P]`` and their log-probs (and values).
 
         Returns a :class:`Rollout` of ``B = b·G`` rows without scores. Answers with ≤ 1 real token (before
-        the first end token) are dropped (masked out); ``info["dropped"]`` counts them on every rank. When every
-        answer on every rank was dropped, ``info["kept"]`` is 0 and no log-prob was computed (the fields are
-        zeros): the caller skips the round. On-policy, ``logprobs`` stays zeros until :meth:`train_step`.
+        the first end token) are dropped (masked out); ``info["dropped"]`` counts them on every rank. With
+        ``--mask_truncated_answers`` an answer without an end token (cut at ``--max_answer_seq_len``) keeps its
+        place in its group but counts in no loss (its action mask is 0). When every answer on every rank was
+        dropped, ``info["kept"]`` is 0 and no log-prob was computed (the fields are zeros): the caller skips the
+        batch. On-policy, ``logprobs`` stays zeros until :meth:`train_step`.
         """
         start = time.time()
         G = self.ppo.n_samples_per_prompt
@@ -395,21 +524,26 @@ class DeepSpeedPPOTrainer:
                    for ids, n in zip(answer_ids.tolist(), answer_len.tolist())]
         self._print_answers(prompts, answers, step)
         valid = (answer_len > 1).long()
+        truncated = (answer_len >= self.max_answer_seq_len).long()  # no end token within the cap
         counts = get_all_reduce_mean(torch.stack([valid.sum(), (1 - valid).sum()]).double()) * get_world_size()
         kept, dropped = (int(round(c)) for c in counts.tolist())
         info = {"generate": generate_time, "generated_tokens": generated, "sequences": len(seq), "dropped": dropped,
-                "kept": kept}
+                "kept": kept, "batches": 1}
         answer_mask = answer_action_mask(answer_ids, self.end_token_ids)
         info["tokens"] = int(mask.sum()) + int(answer_mask.sum())  # real tokens: prompts and answers (their end)
         attention_mask = torch.cat([mask.long(), answer_mask], dim=1)
-        action_mask = answer_mask * valid[:, None]
+        counted = valid * (1 - truncated) if self.ppo.mask_truncated_answers else valid
+        action_mask = answer_mask * counted[:, None]
         rollout = Rollout(prompts=prompts, input_ids=seq, attention_mask=attention_mask, action_mask=action_mask,
                           logprobs=torch.zeros(answer_ids.shape, dtype=torch.float32, device=seq.device),
-                          ref_logprobs=None, valid=valid, answer_len=answer_len, prompt_text=prompt_text, rows=rows,
-                          answers=answers, group_size=G, pad_token_id=self.pad_token_id, info=info)
+                          ref_logprobs=None, valid=valid, answer_len=answer_len, truncated=truncated,
+                          prompt_text=prompt_text, rows=rows, answers=answers, group_size=G,
+                          pad_token_id=self.pad_token_id, info=info)
         if self.ref_model is not None:
             rollout.ref_logprobs = torch.zeros_like(rollout.logprobs)
-        if kept == 0:  # the same on every rank: all skip the round
+        if self.critic_model is not None:
+            rollout.values = torch.zeros_like(rollout.logprobs)
+        if kept == 0:  # the same on every rank: all skip the batch (dynamic sampling may fill a round with its rows)
             info["experience"] = time.time() - start
             return rollout
         with torch.no_grad(), deterministic(self.actor_model.module,
@@ -440,7 +574,9 @@ class DeepSpeedPPOTrainer:
 
     def score(self, rollout: Rollout) -> torch.Tensor:
         """``[B]`` float32 rewards: the reward model's end score, the reward function's score, or
-        ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`)."""
+        ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`); plus, with
+        ``--overlong_penalty L``, DAPO's soft length penalty (:func:`utils.rl_math.overlong_penalty`) of the answer's
+        tokens, its end token included."""
         from utils.reward_functions import call_reward_fn
 
         start = time.time()
@@ -454,6 +590,9 @@ class DeepSpeedPPOTrainer:
             scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)
             weight = 1.0 if self.reward.fn_weight is None else self.reward.fn_weight
             total += weight * torch.tensor(scores, dtype=torch.float32, device=total.device)
+        if self.ppo.overlong_penalty:
+            lengths = rollout.attention_mask[:, rollout.prompt_length:].sum(dim=1)
+            total += overlong_penalty(lengths, self.max_answer_seq_len, self.ppo.overlong_penalty).to(total.device)
         rollout.info["experience"] = rollout.info.get("experience", 0.0) + time.time() - start
         return total
 
@@ -464,28 +603,27 @@ class DeepSpeedPPOTrainer:
 
         * ``gae``: DeepSpeed-Chat's PPO — per-action rewards (KL penalty, clipped score on the last action),
           GAE with the critic's values;
-        * critic-free: the clipped scores go through the estimator's per-answer function (group baselines,
-          :data:`utils.rl_math.SEQUENCE_ESTIMATORS`), land on the answer's last action with the KL penalties
-          (unless ``--use_kl_loss``), are summed into discounted returns, and are whitened over the batch of
-          every rank for ``reinforce`` / ``reinforce_baseline``.
+        * critic-free: the clipped scores go through the estimator's per-answer function (group baselines; its
+          spec's ``advantage``, :mod:`step3_rlhf_finetuning.algorithms`), land on the answer's last action with the
+          KL penalties (unless ``--use_kl_loss``), are summed into discounted returns, and are whitened over the
+          batch of every rank where the spec says so (``reinforce`` / ``reinforce_baseline``).
         """
-        ppo, mask = self.ppo, rollout.action_mask
+        ppo, mask, spec = self.ppo, rollout.action_mask, self.ppo.estimator_spec
         kl_ctl = 0.0 if ppo.use_kl_loss or rollout.ref_logprobs is None else ppo.kl_ctl
         ref = rollout.ref_logprobs if rollout.ref_logprobs is not None else rollout.logprobs
         with torch.no_grad():
-            if ppo.uses_critic:
+            if spec.critic:
                 rewards = kl_penalized_rewards(rollout.logprobs, ref, rollout.scores, mask, kl_ctl,
                                                ppo.clip_reward_value, ppo.kl_estimator)
                 rollout.advantages, rollout.returns = gae_advantages_and_returns(rollout.values, rewards, mask,
                                                                                  ppo.gamma, ppo.lam)
                 return
-            estimate, whiten = SEQUENCE_ESTIMATORS[ppo.advantage_estimator]
             clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
-            per_answer = estimate(clipped, rollout.group_size, rollout.valid)
+            per_answer = spec.advantage_function()(clipped, rollout.group_size, rollout.valid)
             rewards = kl_penalized_rewards(rollout.logprobs, ref, per_answer, mask, kl_ctl, float("inf"),
                                            ppo.kl_estimator)
             advantages = discounted_returns(rewards, mask, ppo.gamma)
-            if whiten:
+            if spec.whiten:
                 reduce = None
                 if torch.distributed.is_available() and torch.distributed.is_initialized():
                     reduce = torch.distributed.all_reduce
@@ -494,25 +632,45 @@ class DeepSpeedPPOTrainer:
 
     # ------------------------------------------------------------------ optimise
 
-    def _loss_normalizer(self, micro: Rollout) -> Optional[float]:
-        """Dr. GRPO's constant: rows × ``--max_answer_seq_len``; every other estimator: the token mean (None)."""
-        return len(micro) * self.max_answer_seq_len if self.ppo.advantage_estimator == "dr_grpo" else None
+    def loss_normalizers(self, micro_batches: List[Rollout], per_step: int) -> List[float]:
+        """Each micro-batch's normalizer for :meth:`train_step`: the mean count (``--loss_agg``'s: tokens, answers with
+        a token, or answers) per micro-batch of its optimizer step, every rank's included
+        (:func:`utils.rl_math.step_normalizers`). ``micro_batches`` in training order; ``per_step``: the actor's
+        RL micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
+        counts = [float(loss_count(m.action_mask, self.ppo.loss_agg)) for m in micro_batches]
+        reduce = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
+            device = micro_batches[0].action_mask.device if micro_batches else None
 
-    def train_step(self, micro: Rollout) -> dict:
+            def reduce(sums):  # noqa: E306 - the collective runs on the engines' device
+                on_device = sums.to(device)
+                torch.distributed.all_reduce(on_device)
+                sums.copy_(on_device.cpu())
+        return step_normalizers(counts, per_step, reduce, get_world_size() if reduce else 1)
+
+    def train_step(self, micro: Rollout, normalizer: Optional[float] = None) -> dict:
         """One update of the actor (and, for ``gae``, the critic) on a micro-batch of a scored rollout with
         advantages; returns the losses (detached scalars): ``actor_loss``, ``critic_loss`` (gae), ``kl_loss``
-        (``--use_kl_loss``). On-policy, the micro-batch's ``logprobs`` (a view of the round's) receive the
-        training pass's detached log-probs, which are also the ratio's denominator."""
+        (``--use_kl_loss``). The actor's loss is ``--policy_loss``'s per-token loss (and β·KL) aggregated by
+        ``--loss_agg`` over ``normalizer`` (:meth:`loss_normalizers`; None: this micro-batch's own count). On-policy,
+        the micro-batch's ``logprobs`` (a view of the round's) receive the training pass's detached log-probs, which
+        are also the ratio's denominator."""
         ppo, mask = self.ppo, micro.action_mask
-        normalizer = self._loss_normalizer(micro)
+        if normalizer is None:
+            normalizer = float(loss_count(mask, ppo.loss_agg))
+
+        def aggregate(per_token):
+            return aggregate_loss(per_token, mask, ppo.loss_agg, normalizer, self.max_answer_seq_len)
+
         logprobs = self._action_log_probs(self.actor_model, micro)
         if self.on_policy:
             micro.logprobs.copy_(logprobs.detach())
-        policy_loss = actor_loss(logprobs, micro.logprobs, micro.advantages, mask, ppo.cliprange, normalizer)
+        policy_loss = aggregate(self.policy_loss_fn(logprobs, micro.logprobs, micro.advantages, mask, ppo.cliprange,
+                                                    ppo.cliprange_high))
         losses = {"actor_loss": policy_loss.detach()}
         loss = policy_loss
         if ppo.use_kl_loss and micro.ref_logprobs is not None:
-            kl = kl_loss(logprobs, micro.ref_logprobs, mask, ppo.kl_estimator, normalizer)
+            kl = aggregate(kl_estimate(logprobs, micro.ref_logprobs, ppo.kl_estimator))
             loss = loss + ppo.kl_ctl * kl
             losses["kl_loss"] = kl.detach()
         self.actor_model.backward(loss)

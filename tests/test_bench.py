@@ -160,3 +160,28 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     args.dtype = "fp32"
     validate_step3(args)
     assert args.advantage_estimator == "gae" and args.max_steps == 22
+
+
+@pytest.mark.parametrize("name", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce", "dapo", "gspo",
+                                  "cispo"])
+def test_algorithms_bench_commands_are_accepted_by_step_3(name, tmp_path):
+    """bench/bench_algorithms.py takes ~20 minutes and the demo's models: each row's quality commands (both rewards)
+    and speed command are checked here against step 3's parser and flag checks, so the rows do not rot unseen."""
+    from step3_rlhf_finetuning.main import parse_args, validate_flags
+
+    bench = load_module("bench_algorithms")
+    assert list(bench.RUNS)[-3:] == ["dapo", "gspo", "cispo"]
+    base = bench.demo_step3(str(tmp_path / "demo"))
+    commands = [bench.quality_command(base, name, reward, str(tmp_path / "q"), 0.1)
+                for reward in ("reward model", "builtin_rule")]
+    commands.append(bench.speed_command(name, "tiny-opt", str(tmp_path / "reward"), str(tmp_path), 8))
+    for cmd in commands:
+        assert cmd[1].endswith("step3_rlhf_finetuning/main.py")
+        args = parse_args([str(a) for a in cmd[2:]])
+        validate_flags(args)
+        assert args.per_device_generation_batch_size * args.n_samples_per_prompt == 16  # 16 answers a step
+        assert (args.advantage_estimator, args.policy_loss) == {
+            "dapo": ("grpo", "ppo"), "gspo": ("grpo", "gspo"), "cispo": ("grpo", "cispo")}.get(name, (name, "ppo"))
+        if name == "dapo":
+            assert (args.cliprange, args.cliprange_high, args.dynamic_sampling, args.loss_agg) == \
+                (0.2, 0.28, True, "token_mean")

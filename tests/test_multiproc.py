@@ -314,3 +314,45 @@ def test_grpo_answers_of_a_prompt_stay_together_on_one_rank(runs, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "train"] == [1, 2]
     assert sorted(os.listdir(tmp_path / "out")) == ["actor", "metrics.jsonl"]
+
+
+RANKED_REWARD = """
+import json, os
+
+def score(prompts, answers, rows):
+    # one line per call and rank: how many answers it scored; rank 0's groups of 2 all differ (1, 0), rank 1's only
+    # every other group does (1, 0 then 0, 0)
+    rank = os.environ["RANK"]
+    with open(os.path.join(os.environ["GROUP_LOG_DIR"], f"rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(len(answers)) + "\\n")
+    return [float(i % (2 if rank == "0" else 4) == 0) for i in range(len(answers))]
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dynamic_sampling_draws_the_same_batches_on_every_rank(tmp_path):
+    """DAPO's dynamic sampling on 2 ranks (ZeRO 2), each rank scoring differently: rank 0 keeps all 4 groups of its
+    first batch, rank 1 only 2, so both draw a second batch (the decision takes the minimum over ranks), rank 0 drops
+    a surplus of 4 and both train 4 groups: the same micro-batches, or ZeRO's gradient reduction would hang."""
+    (tmp_path / "reward.py").write_text(RANKED_REWARD)
+    (tmp_path / "log").mkdir()
+    args = DATA + ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo",
+                   "--n_samples_per_prompt", "2", "--do_sample", "--reward_fn", f"{tmp_path / 'reward.py'}:score",
+                   "--dynamic_sampling", "--cliprange_high", "0.28", "--per_device_generation_batch_size", "4",
+                   "--per_device_training_batch_size", "3", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
+                   "--max_steps", "2", "--num_warmup_steps", "0", "--actor_zero_stage", "2", "--dtype", "fp32",
+                   "--data_output_path", str(tmp_path / "data"), "--output_dir", str(tmp_path / "out")]
+    env = dict(_env(), GROUP_LOG_DIR=str(tmp_path / "log"))
+    cmd = [deepspeed_launcher(), "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / STEPS["step3"])]
+    proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    calls = {rank: (tmp_path / "log" / f"rank{rank}.jsonl").read_text().splitlines() for rank in (0, 1)}
+    assert calls[0] == calls[1] == ["8"] * 4  # 2 steps × 2 batches of 4 prompts × 2 answers, on each rank
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:  # every rank's counts: 4 + 4 kept, 0 + 4 all-same, rank 0's surplus 4, nothing filled
+        assert (r["sampled_batches"], r["groups_kept"], r["groups_filtered"], r["groups_surplus"],
+                r["groups_filled"]) == (2, 8, 4, 4, 0)
+    assert train[-1]["groups_filtered_total"] == 8

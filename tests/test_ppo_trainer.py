@@ -8,6 +8,7 @@ and step 3's up-front argument checks.
 """
 import math
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +18,11 @@ from torch.testing import assert_close
 
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
-from step3_rlhf_finetuning.ppo_trainer import DeepSpeedPPOTrainer, Rollout, cut_batches, end_of_answer_token_ids
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, cut_batches,
+                                               end_of_answer_token_ids)
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
+from utils.rl_math import loss_count
 from utils.perf import step3_throughput, throughput_lines, transformer_flops
 
 EOS = PAD = 2  # OPT-style tokenizer: pad == eos
@@ -329,6 +332,185 @@ def test_each_critic_free_estimator_pushes_towards_the_rewarded_answer(estimator
     losses = trainer.train_step(rollout)
     assert "critic_loss" not in losses and ("kl_loss" in losses) == (estimator == "dr_grpo")
     assert answer_logprob(engine.actor.module, rollout.input_ids, 0, 3) > before
+
+
+# --------------------------------------------------------------------------- DAPO's pieces in the trainer
+
+
+def test_truncated_answers_count_in_no_loss_but_in_their_groups_statistics():
+    # one prompt, G = 2: answer 0 has no end token within --max_answer_seq_len 4 (cut), answer 1 ends
+    answers = [[3, 4, 5, 6], [3, 4, EOS, PAD]]
+    for masked in (False, True):
+        ppo = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2, mask_truncated_answers=masked)
+        trainer, _ = make_trainer(answers, scores=[0.0] * 2, critic=False, reward_model=False,
+                                  reward=RewardConfig(fn="answer_is_de"), reward_fn=lambda p, a, r: [1.0, 0.0],
+                                  ppo=ppo, do_sample=True)
+        rollout = make_rollout(trainer, PROMPTS[:1], PROMPT_MASK[:1])
+        assert rollout.truncated.tolist() == [1, 0] and rollout.valid.tolist() == [1, 1]
+        assert rollout.action_mask.tolist() == [[0, 0, 0, 0] if masked else [1, 1, 1, 1], [1, 1, 1, 0]]
+        # the cut answer's score 1 still makes the group's mean: the other answer's advantage is −0.5 / std(1, 0)
+        assert_close(rollout.advantages[1, :3], torch.full((3,), -math.sqrt(0.5)))
+        assert (rollout.advantages[0] == 0).all() == masked
+        losses = trainer.train_step(rollout)
+        assert math.isfinite(losses["actor_loss"].item())
+
+
+def test_overlong_penalty_is_added_to_the_score():
+    # --max_answer_seq_len 4, --overlong_penalty 2: free up to 2 tokens (the end token counted), then −0.5 a token
+    answers = [[3, EOS, PAD, PAD], [3, 4, EOS, PAD], [3, 4, 5, 6]]
+    trainer, _ = make_trainer(answers, scores=[1.0, 1.0, 1.0], ppo=PPOConfig(overlong_penalty=2))
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    assert_close(trainer.score(rollout), torch.tensor([1.0, 0.5, 0.0]))
+
+
+def test_each_policy_loss_trains_through_the_trainer_and_the_normaliser_is_the_callers():
+    answers = [[3, 4, EOS], [3, 3, EOS]] * 3
+    for policy_loss in ("ppo", "gspo", "cispo"):
+        ppo = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2, policy_loss=policy_loss)
+        trainer, engine = make_trainer(answers, scores=[0.0] * 6, critic=False, reward_model=False,
+                                       reward=RewardConfig(fn="answer_is_de"), reward_fn=answer_is_de, ppo=ppo,
+                                       do_sample=True, lr=0.2)
+        rollout = make_rollout(trainer)
+        step, engine.actor.step = engine.actor.step, engine.actor.optimizer.zero_grad  # no update yet
+        # its own count: 6 answers of 3 tokens: 18 tokens (token_mean), 6 answers (gspo's seq_mean_token_mean)
+        assert loss_count(rollout.action_mask, trainer.ppo.loss_agg).item() == (6 if policy_loss == "gspo" else 18)
+        advantages = rollout.advantages
+        rollout.advantages = rollout.action_mask.float()  # 1 everywhere: ppo and gspo lose −1 at ratio 1
+        own = trainer.train_step(rollout)["actor_loss"]
+        count = loss_count(rollout.action_mask, trainer.ppo.loss_agg).item()
+        halved = trainer.train_step(rollout, normalizer=2 * count)["actor_loss"]
+        assert own.item() == pytest.approx(-1.0 if policy_loss != "cispo" else -answer_logprob_mean(engine, rollout))
+        assert_close(halved, own / 2)
+        engine.actor.step, rollout.advantages = step, advantages
+        before = answer_logprob(engine.actor.module, rollout.input_ids, 0, 3)
+        trainer.train_step(rollout)
+        assert answer_logprob(engine.actor.module, rollout.input_ids, 0, 3) > before, policy_loss
+
+
+def answer_logprob_mean(engine, rollout):
+    """The mean log-prob of the rollout's answer tokens under the actor (CISPO's loss at weight 1 and Â = 1 is its
+    negative)."""
+    logits = engine.actor.module(rollout.input_ids).logits[:, rollout.prompt_length - 1:-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, rollout.answer_ids[..., None]).squeeze(-1)
+    return (logp * rollout.action_mask).sum().item() / rollout.action_mask.sum().item()
+
+
+def scored_batch(trainer, name, scores):
+    """A generation batch of 3 prompts × 2 answers whose groups are named ``name``g0 … g2, scored ``scores``."""
+    rollout = trainer.generate(PROMPTS, PROMPT_MASK, [f"{name}g{i}" for i in range(3)], step=1)
+    rollout.scores = torch.tensor(scores, dtype=torch.float32)
+    return rollout
+
+
+def dynamic_trainer(**ppo):
+    config = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2, dynamic_sampling=True, **ppo)
+    return make_trainer([[3, 4, EOS]] * 6, scores=[0.0] * 6, critic=False, reward_model=False,
+                        reward=RewardConfig(fn="answer_is_de"), reward_fn=answer_is_de, ppo=config, do_sample=True)[0]
+
+
+class FakeRanks:
+    """Threads standing for ranks: ``reduce(tensor, op)`` sums or takes the minimum over them, in place."""
+
+    def __init__(self, n):
+        self.barrier, self.slots = threading.Barrier(n), [None] * n
+
+    def reduce_of(self, rank):
+        def reduce(tensor, op):
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            stacked = torch.stack(self.slots)
+            result = stacked.sum(0) if op == "sum" else stacked.min(0).values
+            self.barrier.wait()  # every rank has read the slots before any writes the next
+            tensor.copy_(result)
+        return reduce
+
+
+def test_dynamic_sampling_refills_until_every_rank_has_its_groups_or_the_limit_then_fills():
+    """Two ranks, 3 groups a round (1 batch of 3 prompts), at most 3 batches. Rank 0 keeps 2, then 3 (of 3 informative
+    groups it takes 1: the surplus is dropped); rank 1 keeps 0, 1, 2: the limit ends the round with 2, and one dropped
+    group, masked out, fills its place. Both ranks draw 3 batches and train 6 rows."""
+    batches = {0: [[1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0]],
+               1: [[1, 1, 0, 0, 1, 1], [1, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]]}
+    ranks, out, calls = FakeRanks(2), {}, {0: 0, 1: 0}
+
+    def run(rank):
+        trainer = dynamic_trainer(dynamic_sampling_max_batches=3)
+        collector = RoundCollector(trainer.ppo, groups_per_batch=3, reduce=ranks.reduce_of(rank))
+        for i, scores in enumerate(batches[rank]):
+            calls[rank] += 1
+            ready = collector.add(scored_batch(trainer, f"b{i + 1}", scores), {"text": i})
+            if ready is not None:
+                out[rank] = ready
+                return
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert calls == {0: 3, 1: 3}
+    (round0, texts0), (round1, texts1) = out[0], out[1]
+    assert len(round0) == len(round1) == 6 and texts0 == texts1 == [{"text": 0}]  # one text batch: one round's
+    assert round0.prompt_text[::2] == ["b1g0", "b1g2", "b2g0"] and round0.valid.tolist() == [1] * 6
+    assert round1.prompt_text[::2] == ["b2g0", "b3g0", "b1g0"]  # b1g0: a dropped group filling the place
+    assert round1.valid.tolist() == [1, 1, 1, 1, 0, 0] and (round1.action_mask[4:] == 0).all()
+    # every rank's counts: kept 3 + 2; dropped 1 + 0 + 3 and 3 + 2 + 2; surplus: rank 0's b2g1, b2g2; filled 0 + 1
+    for ready in (round0, round1):
+        info = ready.info
+        counts = (info["sampled_batches"], info["groups_kept"], info["groups_filtered"], info["groups_surplus"],
+                  info["groups_filled"])
+        assert counts == (3, 5, 11, 2, 1)
+        assert info["batches"] == 3 and info["sequences"] == 18  # every batch drawn counts in the throughput
+    trainer = dynamic_trainer()
+    trainer.compute_advantages(round1)  # the filler group has advantage 0 and counts in no statistic
+    assert (round1.advantages[4:] == 0).all() and (round1.advantages[:4] != 0).any()
+    trainer.train_step(round1)
+
+
+def test_dynamic_sampling_stops_once_the_round_is_full_and_skips_nothing_scored():
+    trainer = dynamic_trainer()  # limit: 4 batches
+    collector = RoundCollector(trainer.ppo, groups_per_batch=3)
+    assert collector.add(scored_batch(trainer, "b1", [1, 0, 1, 1, 0, 1])) is None  # 2 of 3
+    empty = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    empty.info["kept"] = 0  # a batch whose answers were all dropped (nothing scored) still counts as drawn
+    assert collector.add(empty) is None
+    ready, texts = collector.add(scored_batch(trainer, "b3", [0, 1, 1, 0, 1, 1]))
+    assert ready.prompt_text[::2] == ["b1g0", "b1g2", "b3g0"] and ready.info["sampled_batches"] == 3
+    counts = ready.info["groups_kept"], ready.info["groups_filtered"], ready.info["groups_surplus"]
+    assert counts + (ready.info["groups_filled"],) == (3, 5, 1, 0)  # b3g1 is informative but not needed
+    # a round with no informative group at all: every place filled, groups_kept 0 (step 3 skips it)
+    collector = RoundCollector(dynamic_trainer(dynamic_sampling_max_batches=1).ppo, groups_per_batch=3)
+    ready, _ = collector.add(scored_batch(trainer, "b4", [1, 1, 0, 0, 2, 2]))
+    assert ready.info["groups_kept"] == 0 and ready.valid.sum() == 0 and len(ready) == 6
+
+
+def test_dynamic_sampling_with_a_critic_fills_from_a_batch_that_scored_nothing():
+    """PPO's critic values exist on every batch (zeros where nothing was computed), so a round filled from a batch
+    whose answers were all dropped concatenates, trains the critic on its kept groups only and never NaNs."""
+    ppo = PPOConfig(n_samples_per_prompt=2, dynamic_sampling=True, dynamic_sampling_max_batches=2)
+    trainer, _ = make_trainer([[3, 4, EOS]] * 6, scores=[0.0] * 6, ppo=ppo, do_sample=True)
+    collector = RoundCollector(trainer.ppo, groups_per_batch=3)
+    empty = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    empty.info["kept"] = 0
+    assert empty.values is not None and empty.scores is None
+    assert collector.add(empty) is None
+    ready, _ = collector.add(scored_batch(trainer, "b2", [1, 0, 1, 1, 1, 1]))
+    assert ready.prompt_text[::2] == ["b2g0", "", ""] and ready.valid.tolist() == [1, 1, 0, 0, 0, 0]
+    trainer.compute_advantages(ready)
+    losses = trainer.train_step(ready)
+    assert math.isfinite(losses["actor_loss"].item()) and math.isfinite(losses["critic_loss"].item())
+    assert (ready.advantages[2:] == 0).all() and (ready.returns[2:] == ready.values[2:]).all()
+
+
+def test_without_dynamic_sampling_a_round_is_the_next_batches_that_kept_an_answer():
+    trainer, _ = make_trainer([[3, 4, EOS]] * 3, scores=[1.0] * 3, ppo=PPOConfig(generation_batches=2))
+    collector = RoundCollector(trainer.ppo, groups_per_batch=3)
+    first = make_rollout(trainer)
+    empty = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    empty.info["kept"] = 0
+    assert collector.add(first, {"t": 1}) is None and collector.add(empty, {"t": 2}) is None
+    ready, texts = collector.add(make_rollout(trainer), {"t": 3})
+    assert len(ready) == 6 and texts == [{"t": 1}, {"t": 3}] and ready.info["batches"] == 2
 
 
 # --------------------------------------------------------------------------- pieces

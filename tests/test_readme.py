@@ -46,6 +46,32 @@ def test_check_mode_fails_on_a_stale_table(tmp_path):
     assert res.returncode == 1 and "out of date" in res.stderr
 
 
+def test_algorithm_tables_are_the_specs():
+    """docs/algorithms.md's estimator, policy-loss and aggregation tables are rendered from the specs of
+    step3_rlhf_finetuning/algorithms.py; a spec changed without regenerating the page fails here."""
+    from step3_rlhf_finetuning.algorithms import DOC_TABLES, ESTIMATORS, POLICY_LOSSES
+
+    page = PAGES["docs/algorithms.md"]
+    assert gen.render(page) == page, "docs/algorithms.md is stale: run python scripts/gen_readme_tables.py"
+    for name, table in DOC_TABLES.items():
+        assert f"<!-- specs:{name}:start -->\n{table()}<!-- specs:{name}:end -->" in page
+    for spec in ESTIMATORS.values():
+        assert f"| `{spec.name}`" in page and spec.formula in page
+    for spec in POLICY_LOSSES.values():
+        assert f"| `{spec.name}` ({spec.title}) | {spec.formula} |" in page
+    # and the flags page says the specs' defaults (derived, not written twice)
+    assert "default: 0.2 for ppo; 0.0003 for gspo; 1.0 for cispo" in FLAGS
+
+
+def test_check_mode_fails_when_a_spec_and_the_algorithms_page_disagree(tmp_path):
+    stale = tmp_path / "algorithms.md"
+    stale.write_text(PAGES["docs/algorithms.md"].replace("| ≥ 2 | k3 in the loss |", "| ≥ 2 | k1 in the loss |", 1))
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_readme_tables.py"), "--check",
+                          "--algorithms", str(stale)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and f"{stale}: generated tables are out of date" in res.stderr
+    assert str(REPO / "docs" / "flags.md") not in res.stderr  # the real pages are current
+
+
 def test_flags_table_lists_every_flag_with_default_and_help():
     import train
 

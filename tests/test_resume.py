@@ -38,6 +38,16 @@ GRPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo
         "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
         "--do_sample", "--enable_ema", "--actor_dropout", "0.1", "--num_warmup_steps", "0", "--actor_learning_rate",
         "1e-3", "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
+# DAPO (issue 32): GRPO with clip-higher, token mean, truncated answers masked, the overlong penalty and dynamic
+# sampling (a parity reward, so about half the groups score the same: rounds refill, and with a limit of 2 batches some
+# are filled), a short last micro-batch, unsupervised text, EMA and dropout: the prompts each round drew must resume
+DAPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
+        "--reward_fn", "{fn}", "--cliprange_high", "0.28", "--loss_agg", "token_mean", "--mask_truncated_answers",
+        "--overlong_penalty", "4", "--dynamic_sampling", "--dynamic_sampling_max_batches", "2", "--data_path",
+        "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
+        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3", "--do_sample",
+        "--enable_ema", "--actor_dropout", "0.1", "--num_warmup_steps", "0", "--actor_learning_rate", "1e-3",
+        "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
 STEPS = {  # name: (entry point, arguments, the first quantity check_finite sees)
     "step1": ("step1_supervised_finetuning/main.py", ["--model_name_or_path", "tiny-opt", *COMMON], "loss"),
     "step2_rm": ("step2_reward_model_finetuning/main.py",
@@ -45,6 +55,7 @@ STEPS = {  # name: (entry point, arguments, the first quantity check_finite sees
     "step2_dpo": ("step2_dpo_finetuning/main.py", ["--model_name_or_path", "tiny-opt", *COMMON], "loss"),
     "step3": ("step3_rlhf_finetuning/main.py", PPO, "actor_loss"),
     "step3_grpo": ("step3_rlhf_finetuning/main.py", GRPO, "actor_loss"),
+    "step3_dapo": ("step3_rlhf_finetuning/main.py", DAPO, "actor_loss"),
 }
 STEP1 = STEPS["step1"]
 
@@ -52,18 +63,20 @@ STEP1 = STEPS["step1"]
 def run(step, out, data, env=None):
     script, args, _ = step
     inputs = data.parent / "inputs"
-    args = [a.format(rm=inputs / "reward", text=inputs / "text.txt") for a in args]
+    args = [a.format(rm=inputs / "reward", text=inputs / "text.txt", fn=f"{inputs / 'parity.py'}:score") for a in args]
     return run_entry(script, *args, "--output_dir", out, "--data_output_path", data, env=dict(ENV, **(env or {})))
 
 
 def make_inputs(folder):
-    """The step-3 inputs: an untrained step-2 folder of tiny-opt and a text file."""
+    """The step-3 inputs: an untrained step-2 folder of tiny-opt, a text file and a reward function file."""
     from utils.model.critic import create_critic_model, save_reward_model
     from utils.model.model_utils import load_hf_tokenizer
 
     tokenizer = load_hf_tokenizer("tiny-opt")
     save_reward_model(create_critic_model("tiny-opt", tokenizer, None, 1), tokenizer, str(folder / "reward"))
     (folder / "text.txt").write_text("".join(f"The {n} is bright and calm, said the {n} keeper.\n" for n in range(300)))
+    (folder / "parity.py").write_text("def score(prompts, answers, rows):\n"
+                                      "    return [float(len(a.split()) % 2) for a in answers]\n")
 
 
 def ok(proc):

@@ -26,6 +26,32 @@ def test_gsm8k_compares_the_last_numbers():
         gsm8k([""], ["7"], [{"reference_answer": "7"}])
 
 
+@pytest.mark.parametrize("text, number", [
+    ("The loss is −72 dollars.", -72.0),  # the Unicode minus
+    ("She lost -$72.", -72.0),  # a minus before the currency sign
+    ("She lost $-72.", -72.0),
+    ("so the change is –4", -4.0),  # an en dash written as a minus
+    ("It is 7,2", 2.0),  # a comma separates thousands only in groups of three: 7 and 2, not 72
+    ("1,234,567 grains", 1234567.0),
+    ("between 60-72 minutes", 72.0),  # a range: 60 to 72, not 60 and -72
+    ("COVID-19 cases", 19.0),  # a dash inside a name is no minus
+    ("(3)-5", 5.0),
+    ("x = (-5)", -5.0),
+    ("answer: - 72", -72.0),
+    ("$1,200.50 in total", 1200.5),
+    ("is 7.", 7.0),
+    ("no number here", None),
+])
+def test_gsm8k_reads_numbers_as_a_grader_does(text, number):
+    assert last_number(text) == number
+
+
+def test_gsm8k_scores_negative_and_grouped_answers():
+    rows = [{"reference_answer": "... = -72\n#### -72"}] * 4 + [{"reference_answer": "#### 72"}] * 2
+    answers = ["The result is −72.", "A loss of -$72", "between 60-72", "It is 72", "7,2", "72"]
+    assert gsm8k([""] * 6, answers, rows) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+
+
 def test_data_without_what_a_function_needs_is_refused_up_front():
     with pytest.raises(UserInputError, match=r"--reward_fn gsm8k: 1 of 2 prompts have no reference answer"):
         check_rows("gsm8k", ["a", "b"], [{"reference_answer": "#### 3"}, {"reference_answer": None}])
@@ -42,8 +68,8 @@ def test_loading_a_users_function_and_its_errors(tmp_path):
     assert call_reward_fn(fn, "rewards.py:length", ["p", "q"], ["ab", ""], [{}, {}]) == [2.0, 0.0]
     assert load_reward_fn("gsm8k") is gsm8k
     cases = {
-        "nope": "unknown reward function; give a built-in one (builtin_rule, builtin_preference, gsm8k, ifeval) or "
-                "path/to/file.py:function",
+        "nope": "unknown reward function; give a built-in one (builtin_rule, builtin_preference, gsm8k, ifeval, "
+                "ifeval_guarded) or path/to/file.py:function",
         f"{tmp_path}/missing.py:f": "no such file",
         f"{good}:absent": "defines no 'absent'",
         f"{good}:NOT_CALLABLE": "is not a function",
@@ -63,10 +89,36 @@ def test_loading_a_users_function_and_its_errors(tmp_path):
     (lambda a: [float("inf"), 1.0], r"returned inf for row 0 \(prompt 'q0'\)"),
     (lambda a: [1.0, "high"], r"returned 'high' \(not a number\) for row 1"),
     (lambda a: None, r"returned NoneType, not a list of 2 scores"),
+    # a dict would have given its keys, a string its characters, a set no order: each is refused whole
+    (lambda a: {"a": 1.0, "b": 0.0}, r"returned dict, not a list of 2 scores \(one number per answer\)"),
+    (lambda a: "10", r"returned str, not a list of 2 scores"),
+    (lambda a: {1.0, 0.0}, r"returned set, not a list of 2 scores"),
+    (lambda a: 1.0, r"returned float, not a list of 2 scores"),
+    (lambda a: (x for x in [1.0, 0.0]), r"returned generator, not a list of 2 scores"),
+    (lambda a: [1.0, "1.0"], r"returned '1.0' \(not a number\) for row 1"),  # float("1.0") would have passed
+    (lambda a: [[1.0], [0.0]], r"returned \[1.0\] \(not a number\) for row 0"),
+    (lambda a: [None, 1.0], r"returned None \(not a number\) for row 0"),
+    (lambda a: [1.0, 2j], r"returned 2j \(not a number\) for row 1"),
 ])
 def test_bad_return_values_are_one_clear_line(returns, message):
     with pytest.raises(UserInputError, match=r"--reward_fn f.py:g " + message):
         call_reward_fn(lambda p, a, r: returns(a), "f.py:g", ["q0", "q1"], ["a", "b"], [{}, {}])
+
+
+def test_one_number_per_answer_in_any_sequence_is_taken():
+    import numpy as np
+    import torch
+
+    for returned in ([1, 0.5], (True, 0), np.array([1.0, 0.5]), np.float32(1.0), torch.tensor([1.0, 0.5]),
+                     [np.float64(1.0), torch.tensor(0.5)]):
+        if np.ndim(returned) == 0:  # a scalar is not a list of scores
+            with pytest.raises(UserInputError, match="not a list of 2 scores"):
+                call_reward_fn(lambda p, a, r: returned, "f.py:g", ["q0", "q1"], ["a", "b"], [{}, {}])
+            continue
+        scores = call_reward_fn(lambda p, a, r: returned, "f.py:g", ["q0", "q1"], ["a", "b"], [{}, {}])
+        assert scores == [1.0, float(list(returned)[1])] and all(type(x) is float for x in scores)
+    with pytest.raises(UserInputError, match=r"returned Tensor, not a list of 2 scores"):  # one list per answer
+        call_reward_fn(lambda p, a, r: torch.tensor([[1.0], [0.0]]), "f.py:g", ["q0", "q1"], ["a", "b"], [{}, {}])
 
 
 def test_a_function_that_raises_is_traced_to_its_row():

@@ -10,9 +10,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from utils.rl_math import (SEQUENCE_ESTIMATORS, actor_loss, discounted_returns, dr_grpo_advantages, grpo_advantages,
-                           kl_estimate, kl_loss, kl_penalized_rewards, masked_whiten, reinforce_advantages,
+from step3_rlhf_finetuning.algorithms import ESTIMATORS
+from utils.rl_math import (aggregate_loss, discounted_returns, dr_grpo_advantages, grpo_advantages, kl_estimate,
+                           kl_penalized_rewards, masked_whiten, ppo_policy_loss, reinforce_advantages,
                            reinforce_baseline_advantages, rloo_advantages)
+
+SEQUENCE_ESTIMATORS = {name: spec.advantage_function() for name, spec in ESTIMATORS.items() if not spec.critic}
+GROUP_ESTIMATORS = {name: fn for name, fn in SEQUENCE_ESTIMATORS.items() if ESTIMATORS[name].group}
 
 
 def t(data):
@@ -33,12 +37,25 @@ def test_grpo_normalises_by_the_group_sample_std():
 
 def test_equal_rewards_in_a_group_give_zero_advantage_never_nan():
     scores = t([5, 5, 5, 5, 1, 1])
-    for name, (estimate, _) in SEQUENCE_ESTIMATORS.items():
-        if name == "reinforce":
-            continue  # no baseline: the score itself
-        adv = estimate(scores, 2)
+    for name, estimate in GROUP_ESTIMATORS.items():
+        adv = estimate(scores, 2, None)
         assert torch.isfinite(adv).all() and adv.abs().max() == 0, name
     assert torch.equal(grpo_advantages(scores, 2, eps=0.0), torch.zeros(6))  # 0 / 0 avoided even with eps 0
+
+
+@pytest.mark.parametrize("value", [0.7, 0.1, 1 / 3, 1e-7, -2.9])
+def test_a_group_whose_scores_are_all_equal_gets_exactly_zero(value):
+    # float32: 0.7 · 4 / 4 = 0.70000005, so r − mean was 6e-8 and GRPO's (r − mean) / (std + 1e-6) gave ±0.056;
+    # RLOO's r − (Σ − r)/(n − 1) rounds the same way. A group with nothing to compare gets 0, bit for bit.
+    scores = t([value] * 4 + [value, value, 0.0, value])  # a second group, one answer scoring differently
+    valid = t([1, 1, 1, 1, 1, 1, 1, 1])
+    for name, estimate in GROUP_ESTIMATORS.items():
+        adv = estimate(scores, 4, valid)
+        assert torch.equal(adv[:4], torch.zeros(4)), (name, adv)
+        assert (adv[4:] != 0).any(), name  # the second group still compares
+    # a dropped answer that scored differently does not make the group comparable
+    adv = grpo_advantages(t([value, value, 5.0, value]), 4, t([1, 1, 0, 1]))
+    assert torch.equal(adv, torch.zeros(4))
 
 
 @pytest.mark.parametrize("estimate", [grpo_advantages, dr_grpo_advantages, rloo_advantages,
@@ -76,7 +93,7 @@ def test_dropped_answers_leave_their_group():
 
 
 def test_reinforce_needs_no_group():
-    assert_close(reinforce_advantages(t([0.5, -1.0])), t([0.5, -1.0]))
+    assert_close(reinforce_advantages(t([0.5, -1.0]), 1, None), t([0.5, -1.0]))
 
 
 # =========================================================================== tokens, returns, whitening
@@ -87,7 +104,8 @@ def test_critic_free_token_advantages_by_hand():
     # log-ratios logπ - logπ_ref: 0.2, -0.4, 0.6 -> penalties -0.1, +0.2, -0.3
     mask = t([[0, 1, 1, 1]])
     logp, ref = t([[0, 0.2, -0.4, 0.6]]), t([[0, 0, 0, 0]])
-    rewards = kl_penalized_rewards(logp, ref, t([2.0]), mask, kl_ctl=0.5, clip_reward_value=float("inf"))
+    rewards = kl_penalized_rewards(logp, ref, t([2.0]), mask, kl_ctl=0.5, clip_reward_value=float("inf"),
+                                   kl_estimator="k1")
     assert_close(rewards, t([[0, -0.1, 0.2, 1.7]]))
     # γ = 1: returns from each action to the end: 1.8, 1.9, 1.7; γ = 0.5: 1.7, 0.2 + 0.85 = 1.05, -0.1 + 0.525
     assert_close(discounted_returns(rewards, mask, 1.0), t([[0, 1.8, 1.9, 1.7]]))
@@ -109,12 +127,12 @@ def test_dr_grpo_constant_normaliser_weighs_every_token_the_same():
     # two rows of 1 and 3 tokens, advantage 1 everywhere, ratio 1: per-token loss -1
     mask = t([[1, 0, 0], [1, 1, 1]])
     zeros = torch.zeros(2, 3)
-    adv = torch.ones(2, 3)
-    assert_close(actor_loss(zeros, zeros, adv, mask), t(-1.0))  # token mean: -4 / 4
+    per_token = ppo_policy_loss(zeros, zeros, torch.ones(2, 3), mask, 0.2, 0.2)
+    assert_close(aggregate_loss(per_token, mask, "token_mean", 4.0, 3), t(-1.0))  # token mean: -4 / 4
     # Dr. GRPO: token sum / (rows · max answer length) = -4 / (2 · 3)
-    assert_close(actor_loss(zeros, zeros, adv, mask, normalizer=6.0), t(-4 / 6))
-    with pytest.raises(ValueError, match="normalizer must be > 0"):
-        actor_loss(zeros, zeros, adv, mask, normalizer=0.0)
+    assert_close(aggregate_loss(per_token, mask, "seq_mean_token_sum_norm", 2.0, 3), t(-4 / 6))
+    with pytest.raises(ValueError, match="normalizer must be ≥ 0"):
+        aggregate_loss(per_token, mask, "token_mean", -1.0, 3)
 
 
 # =========================================================================== KL estimators
@@ -150,7 +168,7 @@ def test_kl_loss_gradient_flows_through_the_actor_only():
     logp = t([[0.0, -1.0, -2.0]]).requires_grad_()
     ref = t([[0.0, -1.5, -2.0]])
     mask = t([[0, 1, 1]])
-    loss = kl_loss(logp, ref, mask, "k3")
+    loss = aggregate_loss(kl_estimate(logp, ref, "k3"), mask, "token_mean", 2.0, 3)
     # counted: δ = -0.5 and 0 -> k3 = e^-0.5 - 1 + 0.5 and 0; mean over 2
     assert_close(loss, t((math.exp(-0.5) - 0.5) / 2))
     loss.backward()

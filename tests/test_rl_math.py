@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import torch.nn.functional as F
 
 from utils.rl_math import (
-    actor_loss,
+    aggregate_loss,
     answer_action_mask,
     approx_kl,
     causal_lm_loss,
@@ -28,6 +28,7 @@ from utils.rl_math import (
     masked_mean,
     masked_sum,
     pairwise_reward_loss,
+    ppo_policy_loss,
     sequence_action_mask,
     sequence_log_probs,
 )
@@ -170,14 +171,15 @@ def test_kl_penalized_rewards_score_on_last_action():
             [0.0, 0.0, 0.0, 0.0],
         ]
     )
-    assert_close(kl_penalized_rewards(LOG_PROBS, REF_LOG_PROBS, score, mask), expected)
+    # DeepSpeed-Chat's constants: β 0.1, scores clipped at ±5, the k1 estimate
+    assert_close(kl_penalized_rewards(LOG_PROBS, REF_LOG_PROBS, score, mask, 0.1, 5.0, "k1"), expected)
 
 
 def test_kl_penalized_rewards_custom_coefficients():
     mask = torch.ones(1, 4, dtype=torch.long)
     # -0.5 * [1, 0, -0.5, 0] = [-0.5, 0, 0.25, 0]; score -3 clipped to -1 on action 3
     out = kl_penalized_rewards(
-        LOG_PROBS[:1], REF_LOG_PROBS[:1], t([-3.0]), mask, kl_ctl=0.5, clip_reward_value=1.0
+        LOG_PROBS[:1], REF_LOG_PROBS[:1], t([-3.0]), mask, kl_ctl=0.5, clip_reward_value=1.0, kl_estimator="k1"
     )
     assert_close(out, t([[-0.5, 0.0, 0.25, -1.0]]))
 
@@ -188,7 +190,7 @@ def test_score_lands_on_the_eos_action_end_to_end(pad):
     seq = long([[pad, 7, 8, 5, EOS, pad], [pad, 7, 8, 5, 6, 9]])
     mask = sequence_action_mask(seq, 3, EOS)
     zeros = torch.zeros(2, 5)
-    rewards = kl_penalized_rewards(zeros, zeros, t([1.5, -0.5]), mask)
+    rewards = kl_penalized_rewards(zeros, zeros, t([1.5, -0.5]), mask, 0.1, 5.0, "k1")
     # row 1 has no EOS: the score lands on the last action, t = 4 (emits the final token 9)
     assert_close(rewards, t([[0, 0, 0, 1.5, 0], [0, 0, 0, 0, -0.5]]))
 
@@ -238,7 +240,13 @@ def test_gae_discount_lam1_gives_monte_carlo_returns_and_is_detached():
     assert not adv.requires_grad and not ret.requires_grad
 
 
-# =========================================================================== actor loss
+# =========================================================================== actor loss (PPO's surrogate, token mean)
+
+
+def actor_loss(log_probs, old, advantages, mask, cliprange=0.2):
+    """DeepSpeed-Chat's actor loss: the clipped surrogate's mean over the counted tokens."""
+    per_token = ppo_policy_loss(log_probs, old, advantages, mask, cliprange, cliprange)
+    return aggregate_loss(per_token, mask, "token_mean", float(mask.sum()), 1)
 
 
 def test_actor_loss_clipping_active_and_inactive():
@@ -288,15 +296,15 @@ def test_critic_loss_clipping_active_and_inactive():
     # pos 2: V_clip = 0.7;                       max((1-0)^2 = 1, 0.7^2 = 0.49) = 1           (clip ignored)
     # pos 3: masked
     # L = 0.5 * (1.69 + 1 + 1) / 3 = 0.615
-    loss = critic_loss(values, old_values, returns, mask)
+    loss = critic_loss(values, old_values, returns, mask, 0.2)
     assert loss.dtype == torch.float32
     assert_close(loss, t(0.615))
 
 
 def test_critic_loss_empty_mask_and_gradient():
     values = t([[1.0, 3.0]]).requires_grad_()
-    assert_close(critic_loss(values, values.detach(), torch.zeros(1, 2), torch.zeros(1, 2)), t(0.0))
-    loss = critic_loss(values, values.detach(), torch.zeros(1, 2), long([[1, 0]]))
+    assert_close(critic_loss(values, values.detach(), torch.zeros(1, 2), torch.zeros(1, 2), 0.2), t(0.0))
+    loss = critic_loss(values, values.detach(), torch.zeros(1, 2), long([[1, 0]]), 0.2)
     # L = 0.5 * 1^2 / 1 = 0.5; dL/dV_0 = (V_0 - G_0) = 1, masked V_1 gets 0
     assert_close(loss, t(0.5))
     loss.backward()
@@ -311,7 +319,7 @@ def test_approx_kl_per_sequence():
     ref = t([[-1.5, -2.0, -2.0], [0.0, 0.0, 0.0]])
     mask = long([[1, 1, 0], [0, 0, 0]])
     # row 0: diffs [0.5, 0, (-1 masked)] -> 0.25; row 1: nothing counted -> 0
-    assert_close(approx_kl(log_probs, ref, mask), t([0.25, 0.0]))
+    assert_close(approx_kl(log_probs, ref, mask, "k1"), t([0.25, 0.0]))
 
 
 # =========================================================================== ema_update
@@ -324,7 +332,7 @@ def test_ema_update_arithmetic():
     # 0.75*1 + 0.25*3 = 1.5; 0.75*2 + 0.25*2 = 2; 0.75*10 + 0 = 7.5
     assert_close(ema[0], t([1.5, 2.0]))
     assert_close(ema[1], t([[7.5]]))
-    ema_update(ema, params)  # default β = 0.992: 0.992*1.5 + 0.008*3 = 1.512
+    ema_update(ema, params, beta=0.992)  # 0.992*1.5 + 0.008*3 = 1.512
     assert_close(ema[0], t([1.512, 2.0]))
     assert_close(params[0].detach(), t([3.0, 2.0]))  # source untouched
 
@@ -339,7 +347,7 @@ def test_ema_update_on_modules_and_length_mismatch():
     ema_update(ema_model.parameters(), model.parameters(), beta=0.5)
     assert_close(ema_model.weight.detach(), torch.full((1, 2), 0.5))  # 0.5*1 + 0.5*0
     with pytest.raises(ValueError):
-        ema_update([t([1.0])], [t([1.0]), t([2.0])])
+        ema_update([t([1.0])], [t([1.0]), t([2.0])], beta=0.5)
 
 
 # =========================================================================== pairwise reward loss
@@ -507,7 +515,7 @@ def _dpo_inputs():
 
 def test_dpo_loss_without_label_smoothing():
     pc, pr, rc, rr = _dpo_inputs()
-    loss, chosen_rewards, rejected_rewards = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    loss, chosen_rewards, rejected_rewards = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=0.0)
     # -logσ(1) = log(1 + e^-1);  -logσ(0) = log 2
     assert_close(loss, t((math.log(1 + math.exp(-1)) + LN2) / 2))
     # β(π_c - ref_c) = 0.5 * [1, 0];  β(π_r - ref_r) = 0.5 * [-1, 0]

@@ -163,3 +163,60 @@ def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in rows if r["phase"] == "train"] == [0.0]
     assert "Running RL (grpo, critic-free, 2 answer(s) per prompt)" in proc.stdout + proc.stderr
+
+
+PARITY_REWARD = "def score(prompts, answers, rows):\n    return [float(len(a.split()) % 2) for a in answers]\n"
+
+
+@pytest.fixture(scope="module")
+def untrained_reward_model(tmp_path_factory):
+    """An untrained step-2 folder of tiny-opt (the critic of a PPO run; its values need no training to run)."""
+    from utils.model.critic import create_critic_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+
+    folder = tmp_path_factory.mktemp("untrained") / "reward"
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    save_reward_model(create_critic_model("tiny-opt", tokenizer, None, 1), tokenizer, str(folder))
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_path):
+    """Two RL steps per policy loss on tiny-opt, each with another estimator: ppo as DAPO (GRPO, clip-higher,
+    token mean, dynamic sampling, truncated answers masked, the overlong penalty), gspo with RLOO (its ε and
+    per-answer aggregation by default), cispo with PPO's critic."""
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+    common = [*DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", "tiny-opt",
+              "--output_dir", tmp_path / "out", "--policy_loss", policy_loss, "--max_prompt_seq_len", 16,
+              "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 4, "--max_steps", 2, "--do_sample",
+              "--actor_learning_rate", 1e-3, "--num_warmup_steps", 0]
+    flags = {
+        "ppo": ["--advantage_estimator", "grpo", "--n_samples_per_prompt", 2, "--reward_fn",
+                f"{tmp_path / 'parity.py'}:score", "--cliprange_high", 0.28, "--loss_agg", "token_mean",
+                "--dynamic_sampling", "--dynamic_sampling_max_batches", 3, "--mask_truncated_answers",
+                "--overlong_penalty", 4, "--per_device_training_batch_size", 3],
+        "gspo": ["--advantage_estimator", "rloo", "--n_samples_per_prompt", 2, "--reward_fn", "builtin_rule",
+                 "--per_device_training_batch_size", 8],
+        "cispo": ["--critic_model_name_or_path", untrained_reward_model, "--critic_learning_rate", 1e-3,
+                  "--per_device_training_batch_size", 2, "--gradient_accumulation_steps", 2],
+    }[policy_loss]
+    proc = _ok(run_entry(STEP3, *common, *flags, env=OMP))
+    log = proc.stdout + proc.stderr
+    expected = {"ppo": "policy loss: ppo (clip 1 − 0.2 … 1 + 0.28); loss aggregation: token_mean; answers cut at the "
+                       "length cap masked out of the losses; overlong penalty over the last 4 tokens; dynamic sampling "
+                       "(at most 3 generation batches a round)",
+                "gspo": "policy loss: gspo (clip 1 − 0.0003 … 1 + 0.0004); loss aggregation: seq_mean_token_mean",
+                "cispo": "policy loss: cispo (clip 1 − 1 … 1 + 4); loss aggregation: token_mean"}[policy_loss]
+    assert expected in log
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"]) and 0 <= r["truncated"] <= 1
+        assert ("critic_loss" in r) == (policy_loss == "cispo")
+        if policy_loss == "ppo":  # 4 groups a round on the one rank; the rest dropped or filled, all counted
+            assert r["groups_kept"] + r["groups_filled"] == 4 and 1 <= r["sampled_batches"] <= 3
+            assert r["groups_kept"] + r["groups_filtered"] + r["groups_surplus"] == 4 * r["sampled_batches"]
+            assert f"groups kept: {r['groups_kept']:.0f} of" in log
+    assert (tmp_path / "out" / "critic").is_dir() == (policy_loss == "cispo")

@@ -328,6 +328,15 @@ def test_train_py_runs_outside_the_repo_directory(tmp_path):
     (["--label-fn", "{tmp}/nope.py:f"], "error: --label-fn {tmp}/nope.py:f: no such file {tmp}/nope.py"),
     (["--step3-args", "--advantage_estimator grpo --n_samples_per_prompt 2 --reward_fn {tmp}/labels.py:missing"],
      "error: --reward_fn (in --step3-args) {tmp}/labels.py:missing: {tmp}/labels.py defines no 'missing'"),
+    # flags each step's parser takes but its own checks refuse (issue 32: steps 1 and 2 used to train first)
+    (["--step3-args", "--advantage_estimator grpo"],
+     "error: step 3 (RLHF with GRPO) would refuse its flags: --advantage_estimator grpo compares the answers of one "
+     "prompt: it needs --n_samples_per_prompt ≥ 2 (got 1)"),
+    (["--step3-args", "--advantage_estimator grpo --n_samples_per_prompt 2 --dynamic_sampling_max_batches 3"],
+     "error: step 3 (RLHF with GRPO) would refuse its flags: --dynamic_sampling_max_batches needs --dynamic_sampling "
+     "(check --step3-args)"),
+    (["--step3-args", "--cliprange_high -1"],
+     "error: step 3 (RLHF with PPO) would refuse its flags: --cliprange_high must be a finite number ≥ 0, got -1.0"),
 ])
 def test_a_later_steps_bad_flags_are_refused_before_step_1_runs(tmp_path, monkeypatch, capsys, extra, message):
     """Issue 25: a typo in --step3-args used to surface only after steps 1 and 2 had trained (minutes on the
@@ -346,6 +355,43 @@ def test_an_unbalanced_quote_in_a_step_args_string_is_an_argparse_error(capsys):
         train.parse_args(["--step1-args", "--data_path 'my data"])
     assert exit_info.value.code == 2
     assert "error: --step1-args \"--data_path 'my data\": No closing quotation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("step3_args, title", [
+    ("", "PPO"),
+    ("--advantage_estimator group_norm --n_samples_per_prompt 2", "GRPO"),
+    ("--advantage_estimator rloo --n_samples_per_prompt 2 --policy_loss gspo", "RLOO with GSPO's loss"),
+    ("--policy_loss cispo", "PPO with CISPO's loss"),
+])
+def test_a_critic_free_run_is_not_called_ppo(tmp_path, step3_args, title):
+    """train.py's step name and the summary name step 3 by its algorithm (its flags' estimator and policy loss)."""
+    plan = plan_for(["--demo", "--step", "3", "--step3-args", step3_args, "--output-dir", str(tmp_path)])
+    assert plan[0].step.title == f"RLHF with {title}" and plan[0].step.number == 3
+    assert train.STEPS[3].title == "RLHF with PPO"  # the table itself is left alone
+    folders = {n: str(tmp_path / f"missing{n}") for n in (1, 2, 3)}
+    write_rows(tmp_path / "s3", [{"step": 1, "phase": "train", "reward": 0.5}])
+    text = summary.write_summary(str(tmp_path / "out"), {**folders, 3: str(tmp_path / "s3")}, {3: 5.0}, HELDOUT,
+                                 train.step3_title(shlex.split(step3_args)))
+    assert f"3 {title} (RLHF)" in text and f"3 {title} actor, greedy:" in text
+    assert ("PPO" in text) == ("PPO" in title)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["step3_algorithm"] == title
+
+
+def test_a_per_size_scripts_step_3_is_not_judged_without_the_scripts_own_flags(tmp_path):
+    """step3/.../run_1.3b.sh adds --actor_lora_dim 128 itself: train.py cannot know it, so step 3's flag checks
+    (which would refuse --only_optimize_lora without a LoRA rank) run only on commands it builds; the parser still
+    runs."""
+    argv = ["--step", "3", "--actor-model", "facebook/opt-1.3b", "--reward-model", "facebook/opt-350m",
+            "--output-dir", str(tmp_path), "--step3-args=--only_optimize_lora"]
+    args = train.parse_args(argv)
+    on_gpu = train.make_plan(args, 1)
+    assert on_gpu[0].size_script
+    train.check_step_flags(args, on_gpu)
+    with pytest.raises(train.PlanError, match="--only_optimize_lora needs --actor_lora_dim > 0"):
+        train.check_step_flags(args, train.make_plan(args, 0))  # the command train.py builds is known in full
+    with pytest.raises(train.PlanError, match="unrecognized arguments: --nonsense"):
+        args = train.parse_args(argv[:-1] + ["--step3-args=--nonsense"])
+        train.check_step_flags(args, train.make_plan(args, 1))
 
 
 def test_the_demos_own_flags_pass_every_steps_parser(tmp_path):

@@ -243,6 +243,22 @@ def test_test_mode_flags():
     args = parse_args(base + ["--num_train_epochs", "3"])
     assert (args.max_steps, args.num_train_epochs) == (0, 3)  # off by default
     for flags, message in ((["--test_stop_step", "5"], "needs --enable_test_mode"),
-                           (["--enable_test_mode", "--test_stop_step", "-1"], "must be ≥ 0")):
+                           (["--enable_test_mode", "--test_stop_step", "-1"], "must be ≥ 0"),
+                           (["--enable_test_mode", "--test_stop_step", "1", "--generation_batches", "2"],
+                            "fewer than one round of --generation_batches 2, so no RL step would run")):
         with pytest.raises(UserInputError, match=message):
             validate_step3(parse_args(base + flags))
+
+
+@pytest.mark.parametrize("stop, generation_batches, rl_steps", [(5, 1, 5), (5, 2, 2), (6, 3, 2), (4, 4, 1)])
+def test_test_stop_step_counts_generation_batches_as_deepspeed_chat_does(stop, generation_batches, rl_steps):
+    """DeepSpeed-Chat's step 3 counts --test_stop_step in its loop's generation batches (a training round every
+    --generation_batches of them), not in rounds: N batches complete N // G rounds (the batches of an unfinished
+    round train nothing there either)."""
+    from step3_rlhf_finetuning.main import parse_args, validate_step3
+
+    args = parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                       "--enable_test_mode", "--test_stop_step", str(stop), "--generation_batches",
+                       str(generation_batches)])
+    assert (args.max_steps, args.num_train_epochs) == (rl_steps, 1)
+    validate_step3(args)

@@ -116,19 +116,23 @@ def add_test_mode_args(group) -> None:
     """DeepSpeed-Chat's step-3 test switches, which its ``tests/test_training.py`` passes through the step-3 sweep
     script (``--enable_test_mode --test_stop_step N``); :func:`apply_test_mode` maps them onto the run length."""
     group.add_argument("--enable_test_mode", action="store_true",
-                       help="DeepSpeed-Chat's test mode: stop after --test_stop_step RL steps and after the first epoch "
-                            "(the same as --max_steps N --num_train_epochs 1).")
+                       help="DeepSpeed-Chat's test mode: stop after --test_stop_step generation batches and after the "
+                            "first epoch (the same as --max_steps N/--generation_batches --num_train_epochs 1).")
     group.add_argument("--test_stop_step", type=int, default=0,
-                       help="With --enable_test_mode: the RL step to stop after (0 = the end of the first epoch).")
+                       help="With --enable_test_mode: the generation batch to stop after, as DeepSpeed-Chat counts "
+                            "(RL steps: this // --generation_batches; 0 = the end of the first epoch).")
 
 
 def apply_test_mode(args) -> None:
-    """``--enable_test_mode``: one epoch at most, and at most ``--test_stop_step`` steps when that is > 0 (the
-    smaller of it and ``--max_steps`` when both are given). Bad values are refused by :func:`validate_common`."""
+    """``--enable_test_mode``: one epoch at most, and when ``--test_stop_step`` N > 0 at most the rounds that N
+    generation batches complete (DeepSpeed-Chat counts its loop's generation batches: N // ``--generation_batches``
+    RL steps; the smaller of that and ``--max_steps`` when both are given). Bad values are refused by
+    :func:`validate_common` and step 3's checks (fewer batches than one round)."""
     if args.enable_test_mode:
         args.num_train_epochs = min(args.num_train_epochs, 1)
-        if args.test_stop_step > 0:
-            args.max_steps = min(args.max_steps, args.test_stop_step) if args.max_steps else args.test_stop_step
+        rounds = args.test_stop_step // max(getattr(args, "generation_batches", 1), 1)
+        if rounds > 0:
+            args.max_steps = min(args.max_steps, rounds) if args.max_steps else rounds
 
 
 def add_deepspeed_args(parser: argparse.ArgumentParser):

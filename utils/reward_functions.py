@@ -19,22 +19,26 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
   −2 for another object, −6 for a broken answer), the order ``builtin/preference``'s pairs are drawn
   in: finer than the rule score (it tells two good words from one), the demo's labeller;
 * ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
-  else 0.0;
+  else 0.0 (numbers read as a grader reads them: :func:`last_number`);
 * ``ifeval``: the share of the row's IFEval instructions (``instruction_id_list`` and ``kwargs``) the
   answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``;
 * ``ifeval_guarded``: that share times a content guard (:func:`utils.ifeval.substance`: 10 words besides the
   constraint's own text), so an answer that is only the end phrase or the keyword earns nothing.
 
-:func:`call_reward_fn` checks what a function returns: a function that raises, returns the wrong
-number of scores, or a non-finite or non-numeric score is a :class:`~utils.errors.UserInputError`
-naming the function and the row. Pure Python: no torch import.
+:func:`call_reward_fn` checks what a function returns: a function that raises, returns anything but a
+sequence of one number per answer (a dict, a string, a set, a scalar, the wrong count), or a score that
+is not a finite number (a string, None, a list) is a :class:`~utils.errors.UserInputError` naming the
+function and the row. Pure Python: no torch import.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import os
 import re
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 from typing import Callable, List, Optional, Sequence
 
 from utils.errors import UserInputError
@@ -73,18 +77,28 @@ def builtin_preference(prompts: List[str], answers: List[str], rows: List[dict])
     return _score_builtin(quality, prompts, answers)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+MINUS_SIGNS = "-\u2212\u2013"  # hyphen-minus, the Unicode minus (−) and the en dash (–) written for a minus
+# A number as a grader reads it: an optional minus that starts the number (not one between two numbers or words:
+# "60-72" is a range, "COVID-19" a name), an optional $ on either side of the minus, thousands separated by commas
+# only in groups of three ("1,234"; "7,2" is two numbers, 7 and 2), an optional decimal part.
+_NUMBER = re.compile(r"(?<![\w.\d])(?P<sign>[" + MINUS_SIGNS + r"]\s?)?\$?\s?(?(sign)|(?P<sign2>[" + MINUS_SIGNS
+                     + r"]))?(?P<digits>\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?P<decimals>\.\d+)?")
+_MINUS_AFTER_A_WORD = re.compile(r"[\w)\]][" + MINUS_SIGNS + r"]$")
 
 
 def last_number(text: str) -> Optional[float]:
-    """The last number written in ``text`` ("1,234.5" -> 1234.5), or None."""
-    found = _NUMBER.findall(text or "")
-    if not found:
-        return None
-    try:
-        return float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
+    """The last number written in ``text``, as a grader reads it, or None: "1,234.5" -> 1234.5, "−72" and "-$72"
+    -> -72, "7,2" -> 2 (two numbers: a comma separates thousands only in groups of three), "60-72" -> 72 (a
+    range, not 60 and -72)."""
+    text = text or ""
+    value = None
+    for match in _NUMBER.finditer(text):
+        number = float(match.group("digits").replace(",", "") + (match.group("decimals") or ""))
+        negative = match.group("sign") or match.group("sign2")
+        if negative and match.group("sign") and _MINUS_AFTER_A_WORD.search(text[:match.start() + 1]):
+            negative = None  # "60-72": the dash joins two numbers
+        value = -number if negative else number
+    return value
 
 
 def gsm8k_reference(row: dict) -> Optional[float]:
@@ -228,6 +242,28 @@ def _describe(prompts: List[str], i: int) -> str:
     return f"row {i} (prompt {prompt[:60]!r}{'…' if len(prompt) > 60 else ''})"
 
 
+def _is_sequence(scores) -> bool:
+    """A list, a tuple or another ordered sequence, a 1-D array or tensor: not a string, bytes, a mapping, a set, a
+    scalar or a one-shot iterator."""
+    if isinstance(scores, (str, bytes, bytearray, Mapping)):
+        return False
+    if hasattr(scores, "ndim") and hasattr(scores, "tolist"):  # numpy arrays, torch tensors
+        return scores.ndim == 1
+    return isinstance(scores, SequenceABC)
+
+
+def _number(score) -> Optional[float]:
+    """``score`` as a float when it is one number (int, float, bool, a numpy scalar, a 0-d array or tensor), else
+    None (a string, even "1.0", None, a list …)."""
+    if hasattr(score, "ndim") and hasattr(score, "item"):  # numpy scalars and 0-d arrays, 0-d tensors
+        if score.ndim != 0:
+            return None
+        score = score.item()
+    if isinstance(score, numbers.Real):
+        return float(score)
+    return None
+
+
 def call_reward_fn(fn: RewardFn, spec: str, prompts: List[str], answers: List[str], rows: List[dict],
                    flag: str = "--reward_fn") -> List[float]:
     """``fn(prompts, answers, rows)`` as a list of finite floats, one per answer; anything else is a
@@ -244,18 +280,16 @@ def call_reward_fn(fn: RewardFn, spec: str, prompts: List[str], answers: List[st
                                      f"{_describe(prompts, i)}") from None
         raise UserInputError(f"{where} raised {type(e).__name__}: {e} (on a batch of {len(answers)} answers; "
                              "no single row raises)") from None
-    try:
-        scores = list(scores)
-    except TypeError:
+    if not _is_sequence(scores):  # a dict would give its keys, a string its characters, a set no order
         raise UserInputError(f"{where} returned {type(scores).__name__}, not a list of {len(answers)} "
-                             "scores") from None
+                             "scores (one number per answer)")
+    scores = list(scores)
     if len(scores) != len(answers):
         raise UserInputError(f"{where} returned {len(scores)} scores for {len(answers)} answers")
     out = []
     for i, score in enumerate(scores):
-        try:
-            value = float(score)
-        except (TypeError, ValueError):
+        value = _number(score)
+        if value is None:
             raise UserInputError(f"{where} returned {score!r} (not a number) for {_describe(prompts, i)}") \
                 from None
         if not math.isfinite(value):

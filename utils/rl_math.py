@@ -1,5 +1,6 @@
-"""Pure tensor math for the RLHF pipeline: masks, log-probs, PPO, critic-free advantage estimators
-(GRPO, Dr. GRPO, RLOO, REINFORCE++ and its baseline variant), KL estimators, reward-model and DPO losses.
+"""Pure tensor math for the RLHF pipeline: masks, log-probs, GAE, the policy losses (PPO, GSPO, CISPO) and their
+aggregation, critic-free advantage estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++ and its baseline variant), DAPO's
+overlong penalty and group filter, KL estimators, reward-model and DPO losses.
 
 Everything here is a plain function of tensors (torch only, no DeepSpeed / transformers),
 so it can be unit-tested on tiny hand-made inputs.
@@ -10,6 +11,9 @@ Conventions used by every function
   integer or floating point; it is converted internally. Values at positions with mask 0
   never influence a result (even if they are ``inf``/``nan``), and receive zero gradient.
 * **Empty masks**: a mean over a mask that sums to 0 is 0, never NaN.
+* **No defaults for the RL knobs** (clip ranges, β, γ, λ, KL estimator, aggregation …): the caller passes each; the
+  one place of every default is step 3's configuration (``step3_rlhf_finetuning/config.py`` and the specs of
+  ``step3_rlhf_finetuning/algorithms.py``).
 * **Actions** (PPO): for a sequence ``seq`` of T tokens, action ``t`` (0 <= t < T-1) is the
   emission of token ``t+1``; per-action tensors therefore have ``A = T-1`` columns. With a
   left-padded prompt of length ``P`` the first answer action is ``t = P-1`` (``start``).
@@ -36,18 +40,23 @@ __all__ = [
     "last_action_index",
     "kl_penalized_rewards",
     "gae_advantages_and_returns",
-    "actor_loss",
+    "ppo_policy_loss",
+    "gspo_policy_loss",
+    "cispo_policy_loss",
+    "loss_count",
+    "aggregate_loss",
+    "step_normalizers",
     "critic_loss",
     "approx_kl",
     "kl_estimate",
-    "kl_loss",
     "grpo_advantages",
     "dr_grpo_advantages",
     "rloo_advantages",
     "reinforce_baseline_advantages",
     "reinforce_advantages",
+    "informative_groups",
+    "overlong_penalty",
     "KL_ESTIMATORS",
-    "SEQUENCE_ESTIMATORS",
     "discounted_returns",
     "masked_whiten",
     "causal_lm_loss",
@@ -258,9 +267,9 @@ def kl_penalized_rewards(
     ref_log_probs: torch.Tensor,
     reward_score: torch.Tensor,
     action_mask: torch.Tensor,
-    kl_ctl: float = 0.1,
-    clip_reward_value: float = 5.0,
-    kl_estimator: str = "k1",
+    kl_ctl: float,
+    clip_reward_value: float,
+    kl_estimator: str,
 ) -> torch.Tensor:
     """Per-action rewards: KL penalty everywhere, clipped score on the last action.
 
@@ -298,8 +307,8 @@ def gae_advantages_and_returns(
     values: torch.Tensor,
     rewards: torch.Tensor,
     action_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
+    gamma: float,
+    lam: float,
     start: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over positions ``start .. A-1`` (no whitening).
@@ -348,48 +357,165 @@ def gae_advantages_and_returns(
     return adv_tensor.detach(), returns.detach()
 
 
-def actor_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    cliprange: float = 0.2,
-    normalizer: Optional[float] = None,
-) -> torch.Tensor:
-    """PPO clipped policy loss (computed in float32); every estimator's policy loss.
+def _clip_bounds(clip_low: float, clip_high: float) -> Tuple[float, float]:
+    return 1.0 - clip_low, 1.0 + clip_high
 
-    ``ρ = exp((logπ − logπ_old) · m)``, ``ℓ_t = max(−Â_t·ρ_t, −Â_t·clip(ρ_t, 1−c, 1+c))``;
-    ``L = Σ ℓ·m / Σ m`` (the token mean; 0 when ``Σ m == 0``), or ``Σ ℓ·m / normalizer`` when a
-    constant is given (Dr. GRPO: rows × the longest answer allowed, so a token weighs the same in
-    a long and a short answer).
+
+def ppo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                    action_mask: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """PPO's clipped surrogate per token (float32; ``--policy_loss ppo``, DeepSpeed-Chat's).
+
+    ``ρ_t = exp(logπ_t − logπ_old,t)``, ``ℓ_t = max(−Â_t·ρ_t, −Â_t·clip(ρ_t, 1 − ε_low, 1 + ε_high))``. With
+    ``clip_high > clip_low`` it is DAPO's clip-higher. A clipped token gets no gradient.
 
     Args:
         log_probs: ``[B, A]`` current actor log-probs (carries the gradient).
         old_log_probs: ``[B, A]`` log-probs at experience time.
         advantages: ``[B, A]``.
-        action_mask: ``[B, A]``.
-        cliprange: ``c``.
-        normalizer: ``None`` for the token mean, else the constant the token sum is divided by.
+        action_mask: ``[B, A]`` (1 = counts).
+        clip_low: ``ε_low``.
+        clip_high: ``ε_high``.
 
     Returns:
-        Scalar float32 loss.
+        ``[B, A]`` float32 per-token losses, exactly 0 where the mask is 0 (:func:`aggregate_loss` makes the scalar).
     """
     m = _float_mask(action_mask, log_probs.float())
-    log_ratio = _apply_mask(log_probs.float() - old_log_probs.float(), m)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.float()
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    return _aggregate(torch.max(loss_unclipped, loss_clipped), m, normalizer)
+    ratio = torch.exp(_apply_mask(log_probs.float() - old_log_probs.float(), m))
+    return _surrogate(ratio, advantages.float(), m, clip_low, clip_high)
 
 
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalizer: Optional[float]) -> torch.Tensor:
-    """Token mean of ``per_token`` over ``mask``, or its masked sum divided by a constant ``normalizer``."""
-    if normalizer is None:
-        return masked_mean(per_token, mask)
-    if normalizer <= 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
-    return masked_sum(per_token, mask) / normalizer
+def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, clip_low: float, clip_high: float):
+    low, high = _clip_bounds(clip_low, clip_high)
+    return _apply_mask(torch.max(-adv * ratio, -adv * torch.clamp(ratio, low, high)), m)
+
+
+def gspo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                     action_mask: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """GSPO's sequence-level clipped surrogate per token (Zheng et al. 2025; ``--policy_loss gspo``).
+
+    The ratio of answer i is its sequence ratio ``s_i = exp(mean over its counted tokens of logπ − logπ_old)``,
+    clipped at the sequence level: ``ℓ_t = max(−Â_t·s_i,t, −Â_t·clip(s_i,t, 1 − ε_low, 1 + ε_high))`` with GSPO-token's
+    ``s_i,t = sg(s_i)·π_t / sg(π_t)``: equal to ``s_i`` in value (one clipping decision per answer), its gradient
+    ``s_i·∇logπ_t``. With one advantage per answer and each answer's token mean (``seq_mean_token_mean``) this is
+    GSPO's objective and gradient exactly; per-token advantages (a KL penalty in the reward) reach their own token.
+
+    Arguments and result as :func:`ppo_policy_loss`.
+    """
+    lp = log_probs.float()
+    m = _float_mask(action_mask, lp)
+    seq_log_ratio = masked_mean(_apply_mask(lp - old_log_probs.float(), m), m, dim=1)  # [B]
+    log_ratio = seq_log_ratio.detach()[:, None] + (lp - lp.detach())
+    ratio = torch.exp(_apply_mask(log_ratio, m))
+    return _surrogate(ratio, advantages.float(), m, clip_low, clip_high)
+
+
+def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                      action_mask: torch.Tensor, clip_low: float, clip_high: float) -> torch.Tensor:
+    """CISPO per token (MiniMax-M1, 2025; ``--policy_loss cispo``):
+    ``ℓ_t = −sg(clip(ρ_t, 1 − ε_low, 1 + ε_high))·Â_t·logπ_t``.
+
+    The importance weight is clipped and detached, so every token keeps a gradient (``−w_t·Â_t·∇logπ_t``), unlike
+    PPO's surrogate, which drops the gradient of a clipped token. The loss's value is on the log-prob's scale, not a
+    surrogate's.
+
+    Arguments and result as :func:`ppo_policy_loss`.
+    """
+    lp = log_probs.float()
+    m = _float_mask(action_mask, lp)
+    low, high = _clip_bounds(clip_low, clip_high)
+    weight = torch.clamp(torch.exp(_apply_mask(lp - old_log_probs.float(), m)), low, high).detach()
+    return _apply_mask(-weight * advantages.float() * lp, m)
+
+
+def loss_count(action_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """What :func:`aggregate_loss` divides by, counted on one micro-batch: its counted tokens (``token_mean``), its
+    answers with a counted token (``seq_mean_token_mean``) or its answers (``seq_mean_token_sum_norm``).
+
+    Args:
+        action_mask: ``[B, A]`` (1 = counts).
+        loss_agg: ``token_mean``, ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm``.
+
+    Returns:
+        Scalar float32.
+    """
+    m = action_mask.float()
+    if loss_agg == "token_mean":
+        return m.sum()
+    if loss_agg == "seq_mean_token_mean":
+        return (m.sum(dim=1) > 0).float().sum()
+    if loss_agg == "seq_mean_token_sum_norm":
+        return torch.tensor(float(m.shape[0]))
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+
+
+def aggregate_loss(per_token: torch.Tensor, action_mask: torch.Tensor, loss_agg: str, normalizer: float,
+                   horizon: int) -> torch.Tensor:
+    """A micro-batch's share of the optimizer step's loss: its sum divided by ``normalizer``.
+
+    * ``token_mean``: ``Σ ℓ·m / normalizer`` (normalizer: counted tokens);
+    * ``seq_mean_token_mean``: ``Σ_i (Σ_t ℓ·m / Σ_t m) / normalizer`` (answers with a counted token);
+    * ``seq_mean_token_sum_norm``: ``Σ ℓ·m / (normalizer · horizon)`` (answers; Dr. GRPO's constant ``horizon``,
+      the longest answer allowed).
+
+    ``normalizer`` is :func:`loss_count` of this micro-batch for its own mean, or the mean count per micro-batch of
+    the whole optimizer step (:func:`step_normalizers`), so that every token (answer) of the step weighs the same
+    however the micro-batches are filled. 0 gives 0.
+
+    Args:
+        per_token: ``[B, A]`` per-token losses (e.g. :func:`ppo_policy_loss`, β·:func:`kl_estimate`).
+        action_mask: ``[B, A]`` (1 = counts).
+        loss_agg: as :func:`loss_count`.
+        normalizer: ≥ 0.
+        horizon: the constant of ``seq_mean_token_sum_norm`` (``--max_answer_seq_len``).
+
+    Returns:
+        Scalar float32.
+    """
+    m = _float_mask(action_mask, per_token.float())
+    x = _apply_mask(per_token.float(), m)
+    if normalizer < 0:
+        raise ValueError(f"normalizer must be ≥ 0, got {normalizer}")
+    if loss_agg == "token_mean":
+        total = x.sum()
+    elif loss_agg == "seq_mean_token_mean":
+        total = masked_mean(x, m, dim=1).sum()
+    elif loss_agg == "seq_mean_token_sum_norm":
+        if horizon <= 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        total = x.sum() / horizon
+    else:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}")
+    return total / normalizer if normalizer > 0 else total * 0.0
+
+
+def step_normalizers(counts: Sequence[float], per_step: int, all_reduce=None, world_size: int = 1) -> list:
+    """The normalizer of each micro-batch: the mean :func:`loss_count` per micro-batch over its optimizer step.
+
+    Micro-batches ``0 … per_step − 1`` make the first optimizer step, and so on (a shorter last run of them, their
+    own). Summed over the step's micro-batches and over the ranks (``all_reduce``, an in-place sum such as
+    ``torch.distributed.all_reduce``, with ``world_size`` ranks), divided by the micro-batches of the step on every
+    rank: each micro-batch's ``sum / normalizer``, averaged by the engine over the step's micro-batches and ranks, is
+    the step's sum over its whole count. A short micro-batch (the last of a round) weighs its tokens like the others.
+
+    Args:
+        counts: this rank's count of each micro-batch, in training order.
+        per_step: micro-batches per optimizer step (``--gradient_accumulation_steps``).
+        all_reduce: None (one rank) or an in-place sum over the ranks (every rank has as many micro-batches).
+        world_size: ranks.
+
+    Returns:
+        A list of floats, one per micro-batch.
+    """
+    if per_step < 1:
+        raise ValueError(f"per_step must be ≥ 1, got {per_step}")
+    spans = [(i, min(i + per_step, len(counts))) for i in range(0, len(counts), per_step)]
+    sums = torch.tensor([float(sum(counts[a:b])) for a, b in spans], dtype=torch.float64)
+    if all_reduce is not None and len(spans):
+        all_reduce(sums)
+    out = []
+    for (a, b), total in zip(spans, sums.tolist()):
+        out += [total / ((b - a) * world_size)] * (b - a)
+    return out
 
 
 def critic_loss(
@@ -397,7 +523,7 @@ def critic_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     action_mask: torch.Tensor,
-    cliprange_value: float = 0.2,
+    cliprange_value: float,
 ) -> torch.Tensor:
     """PPO clipped value loss (computed in float32).
 
@@ -423,10 +549,10 @@ def critic_loss(
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, action_mask: torch.Tensor,
-              estimator: str = "k1") -> torch.Tensor:
+              estimator: str) -> torch.Tensor:
     """Per-sequence KL estimate: mean over counted actions of :func:`kl_estimate`.
 
-    ``k1`` (``logπ − logπ_ref``, the default) can be negative for a single sample; step 3 logs
+    ``k1`` (``logπ − logπ_ref``) can be negative for a single sample; step 3 logs
     ``k3``, which is unbiased and never negative. 0 for rows with no counted action.
 
     Args:
@@ -447,7 +573,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 _MAX_LOG_RATIO = 20.0  # k3 exponentiates the log-ratio: bounded so that an outlier token cannot give inf
 
 
-def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token Monte-Carlo estimate of ``KL(π || π_ref)`` on tokens sampled from ``π`` (J. Schulman,
     "Approximating KL divergence", 2020), in float32. With ``δ = logπ_ref − logπ``:
 
@@ -474,33 +600,16 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
-def kl_loss(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, action_mask: torch.Tensor,
-            estimator: str = "k3", normalizer: Optional[float] = None) -> torch.Tensor:
-    """The KL term of the loss (``--use_kl_loss``; GRPO's): :func:`kl_estimate` aggregated like the policy
-    loss — the token mean over ``action_mask``, or the token sum over a constant ``normalizer``
-    (see :func:`actor_loss`). The gradient flows through ``log_probs``; the caller multiplies by β.
-
-    Args:
-        log_probs: ``[B, A]`` current actor log-probs.
-        ref_log_probs: ``[B, A]``.
-        action_mask: ``[B, A]``.
-        estimator: ``k1``, ``k2`` or ``k3``.
-        normalizer: as in :func:`actor_loss`.
-
-    Returns:
-        Scalar float32.
-    """
-    return _aggregate(kl_estimate(log_probs, ref_log_probs, estimator), _float_mask(action_mask, log_probs.float()),
-                      normalizer)
-
-
 # --------------------------------------------------------------------------- critic-free estimators
 #
 # The answers of one prompt form a group: ``scores [N]`` holds ``N / G`` groups of ``G`` consecutive
 # answers (rows ``g·G … g·G + G − 1`` answer the same prompt). ``valid [N]`` (1 = counts) leaves out
 # dropped answers: they take no part in their group's statistics and get advantage 0. A group with
-# fewer than two valid answers has nothing to compare and gets 0 everywhere. Each function maps the
-# answers' scores to one number per answer (the same for every token of the answer: outcome rewards).
+# fewer than two valid answers, or whose valid answers all have the same score, has nothing to compare
+# and gets exactly 0 everywhere (not the float32 round-off of ``r − mean``: four scores of 0.7 have a
+# float32 mean 6e-8 off, which GRPO's division by a std of the same size turned into ±0.056). Each
+# function maps the answers' scores to one number per answer (the same for every token of the answer:
+# outcome rewards).
 
 
 def _grouped(scores: torch.Tensor, valid: Optional[torch.Tensor], group_size: int, minimum: int = 2):
@@ -521,10 +630,35 @@ def _group_mean(x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tens
     return (x * v).sum(dim=1, keepdim=True) / n.clamp(min=1)
 
 
+def _comparable(x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``[N/G, 1]`` float: 1 for a group with two or more valid answers whose scores are not all equal."""
+    valid = v != 0
+    high = torch.where(valid, x, torch.full_like(x, -math.inf)).max(dim=1, keepdim=True).values
+    low = torch.where(valid, x, torch.full_like(x, math.inf)).min(dim=1, keepdim=True).values
+    return ((n >= 2) & (high > low)).float()
+
+
 def _centered(scores, valid, group_size) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(r − group mean [N/G, G], valid count per group [N/G, 1])``; 0 where it does not count."""
+    """``(r − group mean [N/G, G], valid count per group [N/G, 1])``; exactly 0 where it does not count and in a
+    group with nothing to compare."""
     x, v, n = _grouped(scores, valid, group_size)
-    return (x - _group_mean(x, v, n)) * v * (n >= 2), n
+    return (x - _group_mean(x, v, n)) * v * _comparable(x, v, n), n
+
+
+def informative_groups(scores: torch.Tensor, group_size: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which groups a group estimator can learn from (DAPO's dynamic sampling keeps these): two or more valid answers
+    whose scores are not all equal. The others get advantage 0 from every group estimator.
+
+    Args:
+        scores: ``[N]`` one score per answer, ``N / group_size`` groups of consecutive answers.
+        group_size: ``G ≥ 2``.
+        valid: ``[N]`` (1 = counts) or None (all count).
+
+    Returns:
+        ``[N / G]`` bool.
+    """
+    x, v, n = _grouped(scores, valid, group_size)
+    return _comparable(x, v, n).reshape(-1) != 0
 
 
 def grpo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch.Tensor] = None,
@@ -532,7 +666,7 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch
     """GRPO (DeepSeekMath; OpenRLHF's ``group_norm``): ``A_i = (r_i − mean_g) / (std_g + eps)``.
 
     ``std_g`` is the sample standard deviation (Bessel's ``n − 1``, as ``torch.std``) of the group's
-    valid scores. A group whose scores are all equal has ``r_i − mean_g = 0``: advantage 0, never NaN.
+    valid scores. A group whose scores are all equal gets advantage exactly 0, never NaN.
 
     Args:
         scores: ``[N]`` one score per answer, ``N / group_size`` groups of consecutive answers.
@@ -554,7 +688,7 @@ def dr_grpo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[to
 
     No division by the group's standard deviation (which up-weights groups that are almost all right or
     all wrong); the other half of the fix, a constant loss normaliser instead of each answer's length,
-    is :func:`actor_loss`'s ``normalizer``. Arguments and result as :func:`grpo_advantages`.
+    is :func:`aggregate_loss`'s ``seq_mean_token_sum_norm``. Arguments and result as :func:`grpo_advantages`.
     """
     return _centered(scores, valid, group_size)[0].reshape(-1)
 
@@ -565,7 +699,7 @@ def rloo_advantages(scores: torch.Tensor, group_size: int, valid: Optional[torch
     :func:`grpo_advantages`."""
     x, v, n = _grouped(scores, valid, group_size)
     others = ((x * v).sum(dim=1, keepdim=True) - x) / (n - 1).clamp(min=1)
-    return ((x - others) * v * (n >= 2)).reshape(-1)
+    return ((x - others) * v * _comparable(x, v, n)).reshape(-1)
 
 
 def reinforce_baseline_advantages(scores: torch.Tensor, group_size: int,
@@ -577,7 +711,7 @@ def reinforce_baseline_advantages(scores: torch.Tensor, group_size: int,
     return dr_grpo_advantages(scores, group_size, valid)
 
 
-def reinforce_advantages(scores: torch.Tensor, group_size: int = 1,
+def reinforce_advantages(scores: torch.Tensor, group_size: int,
                          valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """REINFORCE++ (Hu et al. 2025), its per-answer part: the score itself (no baseline; any group size, 1
     included). As :func:`reinforce_baseline_advantages`, the trainer then adds the KL penalties, sums the
@@ -586,17 +720,27 @@ def reinforce_advantages(scores: torch.Tensor, group_size: int = 1,
     return x if valid is None else torch.where(valid != 0, x, torch.zeros_like(x))
 
 
-# estimator -> (per-answer function, whitened over the batch afterwards)
-SEQUENCE_ESTIMATORS = {
-    "grpo": (grpo_advantages, False),
-    "dr_grpo": (dr_grpo_advantages, False),
-    "rloo": (rloo_advantages, False),
-    "reinforce_baseline": (reinforce_baseline_advantages, True),
-    "reinforce": (reinforce_advantages, True),
-}
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to an answer's score: 0 up to ``max_length − buffer`` tokens, then
+    ``(max_length − buffer − |y|) / buffer``, falling linearly to −1 at ``max_length`` (−1 beyond).
+
+    Args:
+        lengths: ``[B]`` answer lengths ``|y|`` in tokens (the end token included).
+        max_length: ``L_max``, the longest answer (``--max_answer_seq_len``).
+        buffer: ``L_cache`` (``--overlong_penalty``), 0 < buffer ≤ max_length; 0 gives no penalty.
+
+    Returns:
+        ``[B]`` float32 in [−1, 0].
+    """
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"the overlong buffer must be in 0 … {max_length}, got {buffer}")
+    excess = lengths.float() - (max_length - buffer)
+    return torch.where(excess > 0, (-excess / buffer).clamp(min=-1.0), torch.zeros_like(excess))
 
 
-def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """``G_t = Σ_{k ≥ t} γ^(k−t) · r_k`` over the counted actions of each row (0 where the mask is 0).
 
     The critic-free advantage of a token: with the outcome score on the last action and KL penalties
@@ -646,7 +790,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce=None, eps: flo
 
 
 @torch.no_grad()
-def ema_update(ema_params: Iterable[torch.Tensor], params: Iterable[torch.Tensor], beta: float = 0.992) -> None:
+def ema_update(ema_params: Iterable[torch.Tensor], params: Iterable[torch.Tensor], beta: float) -> None:
     """In place ``θ_ema ← β·θ_ema + (1−β)·θ`` for paired tensors (no gradient is recorded).
 
     Args:
@@ -782,8 +926,8 @@ def dpo_loss(
     policy_rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
+    beta: float,
+    label_smoothing: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Direct Preference Optimisation loss (sigmoid form, optional label smoothing).
 

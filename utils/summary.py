@@ -7,7 +7,7 @@ values), condenses them per step and draws the curves with matplotlib (Agg).
 
 * step 1 (SFT): eval ``perplexity`` / ``loss``, train ``loss``
 * step 2 (reward model): eval ``acc`` (+ chosen / rejected mean scores), train ``loss``
-* step 3 (PPO): train ``reward``, ``kl``, ``actor_loss``, ``critic_loss``
+* step 3 (PPO, or the run's algorithm: GRPO …): train ``reward``, ``kl``, ``actor_loss``, ``critic_loss``
 
 A run on built-in data also has a held-out check (:mod:`utils.heldout`): rule scores
 of the step-1 and step-3 actors' greedy answers and the reward model's accuracy per
@@ -33,7 +33,8 @@ ALIASES = {
     "actor_loss": ("actor_loss", "act_loss"),
     "critic_loss": ("critic_loss", "cri_loss"),
 }
-STEP_NAMES = {1: "1 SFT (actor)", 2: "2 reward model", 3: "3 PPO (RLHF)"}
+STEP_NAMES = {1: "1 SFT (actor)", 2: "2 reward model", 3: "3 {algorithm} (RLHF)"}
+DEFAULT_ALGORITHM = "PPO"  # step 3's name when the caller does not say (train.py says: step3_title)
 
 
 def read_metrics(path: str) -> list:
@@ -162,24 +163,31 @@ def _fmt_time(seconds) -> str:
 
 def format_table(summary: dict) -> str:
     rows = [("step", "wall time", "results")]
+    algorithm = summary.get("step3_algorithm", DEFAULT_ALGORITHM)
     for key, s in summary["steps"].items():
-        rows.append((STEP_NAMES[int(key)], _fmt_time(s.get("wall_time_s")), describe(int(key), s)))
+        rows.append((STEP_NAMES[int(key)].format(algorithm=algorithm), _fmt_time(s.get("wall_time_s")),
+                     describe(int(key), s)))
     rows.append(("total", _fmt_time(summary.get("total_wall_time_s")), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c}".rstrip() for a, b, c in rows]
     lines.insert(1, "-" * max(len(line) for line in lines))
     if summary.get("heldout"):
-        lines += ["", format_heldout(summary["heldout"])]
+        lines += ["", format_heldout(summary["heldout"], algorithm)]
     return "\n".join(lines)
 
 
-HELDOUT_ACTORS = {"1": "1 SFT actor", "3": "3 PPO actor"}
+HELDOUT_ACTORS = {"1": "1 SFT actor", "3": "3 {algorithm} actor"}
+
+
+def heldout_actor(step: str, algorithm: str) -> str:
+    return HELDOUT_ACTORS.get(step, step).format(algorithm=algorithm)
 CHECK_NAMES = {"names_object": "names object", "only_good": "only good", "no_repeat": "no repeat",
                "well_formed": "well formed"}
 
 
-def format_heldout(heldout: dict) -> str:
-    """The held-out check as text: one line per actor and kind of answers, then the reward model's accuracy per kind."""
+def format_heldout(heldout: dict, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """The held-out check as text: one line per actor and kind of answers, then the reward model's accuracy per kind
+    (``algorithm``: step 3's name)."""
     lines = []
     actors = heldout.get("actors") or {}
     if actors:
@@ -197,7 +205,7 @@ def format_heldout(heldout: dict) -> str:
             for step, report in sorted(actors.items()):
                 a = report if key is None else report.get(key) or {}
                 checks = a.get("checks", {})
-                table.append([HELDOUT_ACTORS.get(step, step), label, _f(a.get("rule_score")),
+                table.append([heldout_actor(step, algorithm), label, _f(a.get("rule_score")),
                               *(_f(checks.get(name)) for name in CHECK_NAMES), _f(a.get("all_four")),
                               _f(a.get("mean_words"), 1)])
         widths = [max(len(r[i]) for r in table) for i in range(len(head))]
@@ -206,7 +214,7 @@ def format_heldout(heldout: dict) -> str:
         for step, a in sorted(actors.items()):
             if a.get("samples"):
                 sample = a["samples"][0]
-                lines.append(f"  {HELDOUT_ACTORS.get(step, step)}, greedy: {sample['prompt']} {sample['answer']}")
+                lines.append(f"  {heldout_actor(step, algorithm)}, greedy: {sample['prompt']} {sample['answer']}")
     rm = heldout.get("reward_model")
     if rm:
         acc = rm.get("accuracy", {})
@@ -286,7 +294,7 @@ def _bars(ax, title, groups: dict, ylabel):
         ax.legend(fontsize=7, loc="upper center", ncol=min(len(groups), 2))
 
 
-def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
+def _heldout_panels(ax_rm, ax_rules, heldout: dict | None, algorithm: str) -> None:
     heldout = heldout or {}
     accuracy = (heldout.get("reward_model") or {}).get("accuracy", {})
     _bars(ax_rm, "Step 2: held-out accuracy per rejected kind", {"accuracy": accuracy} if accuracy else {},
@@ -296,12 +304,12 @@ def _heldout_panels(ax_rm, ax_rules, heldout: dict | None) -> None:
         for step, report in sorted((heldout.get("actors") or {}).items()):
             a = report if key is None else report.get(key)
             if a:
-                groups[HELDOUT_ACTORS.get(step, step) + suffix] = {
+                groups[heldout_actor(step, algorithm) + suffix] = {
                     "rule score": a.get("rule_score", 0.0), **a.get("checks", {}), "all four": a.get("all_four", 0.0)}
     _bars(ax_rules, "Held-out rule score (no reward model)", groups, "share of answers / score")
 
 
-def plot_curves(folders: dict, png_path: str, heldout: dict | None = None) -> str:
+def plot_curves(folders: dict, png_path: str, heldout: dict | None = None, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Draw the 2×4 grid of training curves (last column: the held-out check) to ``png_path``; returns the path."""
     import matplotlib
 
@@ -322,7 +330,7 @@ def plot_curves(folders: dict, png_path: str, heldout: dict | None = None) -> st
     xs, ys = series(r3, "train", "reward")
     _panel(axes[1, 1], "Step 3: reward", [("reward", xs, ys), ("moving average (5)", xs, _smooth(ys))], "reward")
     _panel(axes[1, 2], "Step 3: KL(actor || reference)", [("KL", *series(r3, "train", "kl"))], "KL")
-    _heldout_panels(axes[0, 3], axes[1, 3], heldout)
+    _heldout_panels(axes[0, 3], axes[1, 3], heldout, algorithm)
     fig.suptitle("RLHF training curves", fontsize=12)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
@@ -331,12 +339,15 @@ def plot_curves(folders: dict, png_path: str, heldout: dict | None = None) -> st
     return png_path
 
 
-def write_summary(output_dir: str, folders: dict, times: dict, heldout: dict | None = None) -> str:
+def write_summary(output_dir: str, folders: dict, times: dict, heldout: dict | None = None,
+                  step3_algorithm: str = DEFAULT_ALGORITHM) -> str:
     """Write ``summary.json`` and ``training_curves.png`` under ``output_dir``; returns the printed text.
 
-    ``heldout``: the held-out check (:func:`utils.heldout.heldout_check`), if one was made.
+    ``heldout``: the held-out check (:func:`utils.heldout.heldout_check`), if one was made; ``step3_algorithm``:
+    step 3's name in the table ("GRPO": a critic-free run is not called PPO).
     """
     summary = build_summary(folders, times)
+    summary["step3_algorithm"] = step3_algorithm
     if heldout:
         summary["heldout"] = heldout
     json_path = os.path.join(output_dir, "summary.json")
@@ -345,5 +356,5 @@ def write_summary(output_dir: str, folders: dict, times: dict, heldout: dict | N
     os.makedirs(output_dir, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(summary, f, indent=2)
-    plot_curves(folders, png_path, heldout)
+    plot_curves(folders, png_path, heldout, step3_algorithm)
     return f"{format_table(summary)}\n\nsummary: {json_path}\ncurves:  {png_path}"
