@@ -120,7 +120,8 @@ def our_command(trainer: str, model: str, data: dict, out: str, opts) -> list:
                 "--n_samples_per_prompt", str(opts.group), "--per_device_generation_batch_size",
                 str(opts.grpo_batch // opts.group), "--per_device_training_batch_size", str(opts.grpo_batch),
                 "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(opts.answer_len), "--do_sample",
-                "--temperature", "1.0", "--kl_ctl", "0.04", "--actor_learning_rate", "1e-6", *common]
+                "--temperature", "1.0", "--kl_ctl", "0.04", "--actor_learning_rate", "1e-6",
+                "--loss_agg", "seq_mean_token_mean", *common]  # TRL's loss_type="grpo": per answer, then the batch
     lm = ["--model_name_or_path", model, "--data_path", data["hh"], "--max_seq_len", str(opts.max_len),
           "--per_device_train_batch_size", str(opts.batch), *common]
     if trainer == "sft":

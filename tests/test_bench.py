@@ -130,8 +130,10 @@ def test_real_model_benches_skip_in_one_line_without_the_model(name, tmp_path, c
 
 def test_real_rl_bench_metrics_by_hand():
     bench = load_module("bench_real_rl")
-    assert bench.unigram_f1("the cat sat", "the cat ran away") == pytest.approx(2 * (2 / 3) * (2 / 4) / (2 / 3 + 2 / 4))
-    assert bench.unigram_f1("", "x") == 0.0
+    from utils.ifeval import unigram_f1
+
+    assert unigram_f1("the cat sat", "the cat ran away") == pytest.approx(2 * (2 / 3) * (2 / 4) / (2 / 3 + 2 / 4))
+    assert unigram_f1("", "x") == 0.0
     rows = [{"instruction_id_list": ["punctuation:no_comma", "startend:end_checker"],
              "kwargs": [{}, {"end_phrase": "Bye."}], "reference_output": "Go home now. Bye."},
             {"instruction_id_list": ["length_constraints:number_words"],

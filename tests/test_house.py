@@ -5,8 +5,9 @@ import ast
 
 from tests.conftest import REPO
 
-SOURCES = sorted(p for p in REPO.rglob("*.py")
-                 if p.relative_to(REPO).parts[0] not in ("tests", "bench", "scripts", ".venv", ".cache", "build"))
+SOURCES = sorted(p for p in REPO.rglob("*.py")  # the project's own: no tests, benches, hidden folders (.venv*, .cache)
+                 if not p.relative_to(REPO).parts[0].startswith(".")
+                 and p.relative_to(REPO).parts[0] not in ("tests", "bench", "scripts", "build"))
 
 
 def module_name(path):

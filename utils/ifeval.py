@@ -476,6 +476,27 @@ def substance(row: dict, answer: str) -> float:
     return min(1.0, other_words(row, answer) / needed)
 
 
+CONTENT_WEIGHT = 0.5  # weight of the content term (unigram F1 against the row's reference answer)
+
+
+def unigram_f1(answer: str, reference: str) -> float:
+    """Unigram F1 of the answer's words against the reference's (bags of lower-cased words)."""
+    from collections import Counter
+
+    a = Counter(re.findall(r"[a-z0-9']+", (answer or "").lower()))
+    r = Counter(re.findall(r"[a-z0-9']+", (reference or "").lower()))
+    overlap = sum((a & r).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / sum(a.values()), overlap / sum(r.values())
+    return 2 * precision * recall / (precision + recall)
+
+
 def guarded_compliance(row: dict, answer: str) -> float:
-    """:func:`compliance` × :func:`substance`: the share of the instructions kept, by an answer that answers."""
-    return compliance(row, answer) * substance(row, answer)
+    """:func:`compliance` × :func:`substance` (the share of the instructions kept, by an answer that answers), plus
+    :data:`CONTENT_WEIGHT` × :func:`unigram_f1` against the row's ``reference_output`` where it has one (the
+    builder's rows carry alpaca's answer; IFEval's own rows do not, and the term is 0): keeping the constraints
+    must not cost the answer its content."""
+    reference = row.get("reference_output") if isinstance(row, dict) else None
+    content = CONTENT_WEIGHT * unigram_f1(answer, reference) if isinstance(reference, str) and reference else 0.0
+    return compliance(row, answer) * substance(row, answer) + content

@@ -81,7 +81,8 @@ def grpo_task(args):
                                           [{"reference_answer": a} for a in answer])
     else:
         data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                   "row": json.dumps({k: r[k] for k in ("instruction_id_list", "kwargs")})}
+                                   "row": json.dumps({k: r[k] for k in ("instruction_id_list", "kwargs",
+                                                                        "reference_output") if k in r})}
                                   for r in rows])
 
         def reward(prompts, completions, row, **kwargs):
@@ -96,7 +97,7 @@ def run_grpo(args, log: StepLog):
 
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
                         max_completion_length=args.answer_len, temperature=1.0, top_p=1.0, top_k=0, beta=args.beta,
-                        loss_type="grpo", scale_rewards="group", epsilon=0.2, num_iterations=1)
+                        loss_type=args.loss_type, scale_rewards="group", epsilon=0.2, num_iterations=1)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     trainer.train()
@@ -183,6 +184,8 @@ def main():
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--task", choices=("gsm8k", "ifeval"), default="gsm8k", help="grpo: data and reward")
+    parser.add_argument("--loss_type", default="grpo",
+                        help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
