@@ -47,7 +47,6 @@ step N (after any checkpoint of that step), to test resuming from a hard crash, 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -65,7 +64,7 @@ from utils import fault_injection, overwrite
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
 from utils.entrypoint import PROGRESS
 from utils.errors import UserInputError
-from utils.files import atomic_write_text, fsync_tree, is_write_failure
+from utils.files import atomic_write_text, content_hash, fsync_tree, is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
@@ -196,14 +195,6 @@ class ModuleState:
 
 # --------------------------------------------------------------------------- files
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _files(root: str):
     for dirpath, _, names in os.walk(root):
         for name in sorted(names):
@@ -219,7 +210,7 @@ def _hash_all(paths) -> list:
 
     paths = list(paths)
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(paths)))) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(lambda path: content_hash(path, digits=None), paths))
 
 
 def write_manifest(root: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
@@ -119,19 +120,23 @@ def atomic_directory(out_dir: str):
         raise
 
 
-def content_hash(path: str, sample: int | None = None) -> str:
-    """sha256 of a file's bytes (hex, 16 characters); with ``sample``, of its size, first and last ``sample``
-    bytes only (for model weights of many GB: a different model differs there, and reading it all would take
-    minutes). Computed once per process for an unchanged file (same inode, size and change time: unlike the
-    modification time, the change time cannot be set back)."""
-    st = os.stat(path)
-    return _content_hash(os.path.abspath(path), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns), sample)
+def content_hash(source: str | os.PathLike | bytes, sample: int | None = None, digits: int | None = 16) -> str:
+    """The project's one content hash: sha256, as hex cut to ``digits`` characters (None: all 64), of ``source``'s
+    bytes: a file's (``source`` a path) or the bytes given (text: ``content_hash(text.encode())``).
+
+    A file with ``sample``: of its size, first and last ``sample`` bytes only (for model weights of many GB: a
+    different model differs there, and reading it all would take minutes). A file's hash is computed once per
+    process while it is unchanged (same inode, size and change time: unlike the modification time, the change
+    time cannot be set back)."""
+    if isinstance(source, bytes):
+        return hashlib.sha256(source).hexdigest()[:digits]
+    st = os.stat(source)
+    return _file_hash(os.path.abspath(source), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns),
+                      sample)[:digits]
 
 
 @functools.lru_cache(maxsize=256)
-def _content_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
-    import hashlib
-
+def _file_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         if sample is None or size <= 2 * sample:
@@ -142,7 +147,7 @@ def _content_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str
             digest.update(f.read(sample))
             f.seek(size - sample)
             digest.update(f.read(sample))
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")
