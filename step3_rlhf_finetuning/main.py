@@ -59,7 +59,7 @@ from utils.reward_functions import check_rows, load_reward_fn
 from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import load_tokenizer, start_run
+from utils.training import answer_end_token, load_tokenizer, start_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -623,12 +623,12 @@ def run(args, folder):
 
     # ---- set-up: distributed, precision, seed, logger; the configuration of engines, RL and generation
     device, log = start_run(args, "step3_model")
-    config = Step3Config.from_args(args)
+    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+    config = Step3Config.from_args(args, answer_end_token(args, tokenizer, args.actor_model_name_or_path))
     if args.align_overflow and not config.ppo.align_overflow:
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
 
-    # ---- tokenizer, data (prompts, their rows for the reward function, text to mix in), models
-    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+    # ---- data (prompts, their rows for the reward function, text to mix in), models
     prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
     if args.reward_fn:
         check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
