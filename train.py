@@ -38,7 +38,7 @@ from step3_rlhf_finetuning.algorithms import run_title  # the config and specs a
 from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
-from utils.files import lock_output_dir
+from utils.run_folder import RUN_LOG, RunFolder
 from utils.preflight import check_output_dir_writable
 from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
@@ -232,6 +232,7 @@ class Launch:
     needs: list = field(default_factory=list)  # (step number, folder) that must hold a model first
     note: str = ""
     tee: bool = True  # False: the per-size script writes training.log itself
+    log: str = ""  # where this run logs the step (RunFolder.step_log), once it is launched
     env: dict = field(default_factory=dict)  # set for this step only (a per-size script's HOSTFILE)
 
     @property
@@ -242,7 +243,7 @@ class Launch:
 
     @property
     def log_path(self) -> str:
-        return os.path.join(self.out_dir, "training.log")
+        return self.log or os.path.join(self.out_dir, RUN_LOG)
 
     @property
     def command_line(self) -> str:
@@ -447,18 +448,15 @@ def make_plan(args, gpus: int) -> list:
 # --------------------------------------------------------------------------- checks
 
 def has_model(folder: str) -> bool:
-    """A Hugging Face model folder: config.json + weights (step 3 keeps its actor in ``actor/``)."""
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        return False
-    return any(name.endswith((".safetensors", ".bin")) or name.endswith(".index.json") for name in os.listdir(folder))
+    """A step's output folder holds a finished run (:meth:`utils.run_folder.RunFolder.finished`)."""
+    return RunFolder(folder).finished()
 
 
 def produced(launch: Launch) -> bool:
-    """Whether ``launch``'s output folder holds its result: a model (step 3: in ``actor/``), or the collector's
-    comparisons."""
+    """Whether ``launch``'s output folder holds its result: a finished run, or the collector's comparisons."""
     if launch.step is COLLECT:
         return os.path.isfile(os.path.join(launch.out_dir, "train.jsonl"))
-    return has_model(launch.out_dir) or has_model(os.path.join(launch.out_dir, "actor"))
+    return has_model(launch.out_dir)
 
 
 def finished_steps(args, plan: list) -> list:
@@ -646,12 +644,19 @@ def run_step(args, launch: Launch, env: dict) -> float:
     ``metrics.jsonl`` is the step's business (a fresh run starts it afresh, a resumed run keeps the
     rows up to the resumed step), the same rule as running the step by hand.
     """
-    os.makedirs(launch.out_dir, exist_ok=True)
+    folder = RunFolder(launch.out_dir)
+    earlier_run = folder.run_id()
+    if launch.tee:  # beside the folder while it holds an earlier run, so that a refused rerun leaves its log
+        launch.log = folder.step_log()
+    else:
+        os.makedirs(launch.out_dir, exist_ok=True)
     print(f"---=== Running Step {launch.step.number}: {launch.step.title} ({launch.note}) ===---", flush=True)
     print(f"$ {launch.command_line}", flush=True)
     start = time.time()
     rc = run_logged(launch.cmd, launch.log_path if launch.tee else None, {**env, **launch.env})
     elapsed = time.time() - start
+    if launch.tee:
+        launch.log = folder.adopt_log(launch.log, earlier_run, rc == 0)
     if rc in (INTERRUPTED, -signal.SIGINT):
         print(interrupted_message(args, launch), file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
@@ -666,9 +671,9 @@ def run_step(args, launch: Launch, env: dict) -> float:
     return elapsed
 
 
-def step3_actor_dir(folder: str) -> str:
-    """Step 3 saves ``actor/`` (and ``critic/``) inside its output folder."""
-    return os.path.join(folder, "actor") if has_model(os.path.join(folder, "actor")) else folder
+def model_dir(folder: str) -> str | None:
+    """Where a step's output folder holds its model (step 3: ``actor/``), or None."""
+    return RunFolder(folder).model_dir()
 
 
 def chat_once(actor_dir: str, question: str) -> None:
@@ -717,7 +722,7 @@ def heldout_check(folders: dict, dataset: str, sampling: dict | None = None) -> 
 
     print(f"---=== Held-out check on {dataset} (no reward model for the actors' answers) ===---", flush=True)
     try:
-        return check({1: folders[1], 3: step3_actor_dir(folders[3])}, folders[2], dataset, sampling)
+        return check({1: folders[1], 3: folders[3]}, folders[2], dataset, sampling)
     except Exception as e:  # noqa: BLE001 - report and go on to the summary
         print(f"warning: the held-out check failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
@@ -733,7 +738,8 @@ def main(args) -> int:
         return 0
     try:
         check_output_dir_writable(args.output_dir, "--output-dir")
-        lock_output_dir(args.output_dir)  # two train.py runs on one --output-dir would mix their logs
+        top = RunFolder(args.output_dir)
+        top.lock()  # two train.py runs on one --output-dir would mix their logs (held until this process ends)
         check_inputs(args, plan)
         check_step_flags(args, plan)
     except (PlanError, UserInputError) as e:
@@ -751,10 +757,10 @@ def main(args) -> int:
     dataset = builtin_dataset(args)
     heldout = heldout_check(folders, dataset, step3_sampling(args)) if dataset else None
     print(write_summary(args.output_dir, folders, times, heldout, step3_title(extra_flags(args, 3))), flush=True)
-    actor = step3_actor_dir(folders[3]) if 3 in args.step else folders[1]
-    if args.demo and has_model(actor):
+    actor = model_dir(folders[3] if 3 in args.step else folders[1])
+    if args.demo and actor:
         chat_once(actor, DEMO_QUESTION)
-    elif has_model(actor):
+    elif actor:
         print(f"Chat with the actor: python chat.py --path {actor}")
     return 0
 

@@ -50,11 +50,11 @@ def load_dtype(requested: str, device_type: str):
 
 
 def actor_folder(path: str) -> str:
-    """``path`` itself, or its ``actor/`` sub-folder (step 3's output layout)."""
-    if not os.path.isfile(os.path.join(path, "config.json")) and \
-            os.path.isfile(os.path.join(path, "actor", "config.json")):
-        return os.path.join(path, "actor")
-    return path
+    """Where the output folder ``path`` holds its model (itself, or step 3's ``actor/``:
+    :meth:`~utils.run_folder.RunFolder.model_dir`), else ``path`` as given (a hub or built-in model's name)."""
+    from utils.run_folder import RunFolder
+
+    return RunFolder(path).model_dir() or path
 
 
 class Chatbot:

@@ -58,7 +58,13 @@ def main(args):
     # ---- fail fast on bad flags and data, before any model or DeepSpeed set-up
     validate_common(args)
     check_zero_combination(args)
-    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=1)
+    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=1)
+    with folder:  # a failure before the first step leaves the folder as it was
+        return run(args, folder)
+
+
+def run(args, folder):
+    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
     from transformers import AutoModelForCausalLM
 
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
@@ -87,7 +93,8 @@ def main(args):
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
-    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
+                                       folder)
     resumed = ckpt.resume({"model": model})
     step, start_epoch, skip_batches = 0, 0, 0
 
@@ -149,8 +156,9 @@ def main(args):
     # ---- save
     if args.output_dir is not None:
         log.info(f"saving the final model to {args.output_dir}")
-        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage,
-                       extra_files=training_format_file(args.apply_chat_template))
+        trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
+        folder.save_final([(None, lambda path: save_hf_format(model, tokenizer, path, zero_stage=args.zero_stage,
+                                                              extra_files=trained_in))])
     log.close()
     return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": step}
 

@@ -126,7 +126,13 @@ def main(args):
         raise UserInputError(f"--beta must be > 0, got {args.beta}")
     if not 0.0 <= args.label_smoothing < 0.5:
         raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
-    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+    with folder:  # a failure before the first step leaves the folder as it was
+        return run(args, folder)
+
+
+def run(args, folder):
+    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
     from transformers import AutoModelForCausalLM
 
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed configs (policy: train; reference: frozen)
@@ -167,7 +173,8 @@ def main(args):
     # ---- train
     log.info(f"***** Running DPO training: {len(train_dataset)} pairs, {total_steps} optimizer steps, "
              f"beta {args.beta} *****")
-    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
+                                       folder)
     resumed = ckpt.resume({"model": model})  # the reference model is frozen: nothing to save
     if resumed:
         step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
@@ -215,8 +222,9 @@ def main(args):
     # ---- save (a plain HF causal-LM folder)
     if args.output_dir is not None:
         log.info(f"saving the final model to {args.output_dir}")
-        save_hf_format(model, tokenizer, args.output_dir, zero_stage=args.zero_stage,
-                       extra_files=training_format_file(args.apply_chat_template))
+        trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
+        folder.save_final([(None, lambda path: save_hf_format(model, tokenizer, path, zero_stage=args.zero_stage,
+                                                              extra_files=trained_in))])
     log.close()
     return {"margin_before": first["margin"], "margin": metrics["margin"], "accuracy_before": first["acc"],
             "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": step}

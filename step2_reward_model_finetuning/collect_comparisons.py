@@ -11,7 +11,9 @@ labeller: a built-in name or ``path/to/file.py:function``, as step 3's ``--rewar
 differently scored answers, better first (:mod:`utils.data.comparisons`) → ``train.jsonl`` and
 ``eval.jsonl`` (from the dataset's train and eval splits; no eval file when the eval prompts gave no pair)
 and ``comparisons.json`` (counts, settings)
-in ``--output_dir``, written atomically: a failed run leaves no folder behind.
+in ``--output_dir``, written atomically: a failed run leaves the folder as it was (none, if it made it). The
+folder is the run's :class:`~utils.run_folder.RunFolder`: locked, and ``--overwrite`` replaces exactly what an
+earlier collection wrote (an old ``eval.jsonl`` included), nothing else.
 """
 import argparse
 import json
@@ -25,6 +27,7 @@ from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.files import atomic_directory
 from utils.preflight import check_causal_lm_path, check_output_dir_writable
+from utils.run_folder import RunFolder
 from utils.reward_functions import BUILTIN, call_reward_fn, check_rows, load_reward_fn
 
 
@@ -118,7 +121,13 @@ def main(args):
                              f"the train split (--data_split {args.data_split})")
     for split, rows in data.items():
         check_rows(args.label_fn, [p for p, _ in rows], [r for _, r in rows], flag="--label_fn")
+    folder = RunFolder(args.output_dir).claim(args.overwrite)  # last: nothing is moved when a check fails
+    with folder:
+        return run(args, folder, data, label_fn)
 
+
+def run(args, folder, data: dict, label_fn) -> dict:
+    """Answer ``data``'s prompts with the actor, label and pair the answers, write them into ``folder``."""
     # ---- the actor
     import torch
 
@@ -146,14 +155,18 @@ def main(args):
     if not written["eval"]:
         print("no eval pairs (every eval prompt's answers tied, or none asked for): eval.jsonl is left out, so step 2 "
               "splits the train pairs 9:1 for its evaluation", flush=True)
-    with atomic_directory(args.output_dir) as tmp:
-        for split, pairs in written.items():
-            if not pairs:
-                continue
-            with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
-                f.writelines(json.dumps(pair) + "\n" for pair in pairs)
-        with open(os.path.join(tmp, "comparisons.json"), "w") as f:
-            json.dump({"settings": settings, **report, "seconds": time.time() - start}, f, indent=1)
+
+    def write(path):
+        with atomic_directory(path) as tmp:
+            for split, pairs in written.items():
+                if not pairs:
+                    continue
+                with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
+                    f.writelines(json.dumps(pair) + "\n" for pair in pairs)
+            with open(os.path.join(tmp, "comparisons.json"), "w") as f:
+                json.dump({"settings": settings, **report, "seconds": time.time() - start}, f, indent=1)
+
+    folder.save_final([(None, write)])
     print(f"wrote {len(written['train'])} train and {len(written['eval'])} eval comparisons to {args.output_dir} "
           f"({time.time() - start:.1f}s); train a reward model on them with: --data_path {args.output_dir} "
           "--data_split 0,1,0", flush=True)

@@ -92,8 +92,13 @@ def main(args):
     # ---- fail fast on bad flags, model paths and data, before any set-up
     validate_common(args)
     check_zero_combination(args)
-    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
+    with folder:  # a failure before the first step leaves the folder as it was
+        return run(args, folder)
 
+
+def run(args, folder):
+    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
     device, log = start_run(args, "step2_model")
     ds_config = step_ds_config(args, "step2_model")
@@ -127,7 +132,8 @@ def main(args):
         return metrics
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
-    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path))
+    ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
+                                       folder)
     resumed = ckpt.resume({"model": model})
 
     # ---- train
@@ -181,7 +187,7 @@ def main(args):
     # ---- save
     if args.output_dir is not None:
         log.info(f"saving the final reward model to {args.output_dir}")
-        save_reward_model(model, tokenizer, args.output_dir, zero_stage=args.zero_stage)
+        folder.save_final([(None, lambda path: save_reward_model(model, tokenizer, path, zero_stage=args.zero_stage))])
     log.close()
     return {"accuracy_before": first["acc"], "accuracy": metrics["acc"], "chosen_mean_score": metrics["chosen"],
             "rejected_mean_score": metrics["rejected"], "eval_loss": metrics["loss"], "steps": step}

@@ -197,9 +197,11 @@ class Step3Config:
     unsupervised: bool  # --unsupervised_dataset_name given: the actor also trains on text (PPO-ptx)
 
     @classmethod
-    def from_args(cls, args) -> "Step3Config":
-        """From step 3's parsed flags, after :func:`utils.training.start_run` resolved ``--dtype``."""
-        from utils.training import OptimConfig, answer_end_token
+    def from_args(cls, args, eot_token: str | None = None) -> "Step3Config":
+        """From step 3's parsed flags, after :func:`utils.training.start_run` resolved ``--dtype``; no I/O.
+        ``eot_token``: what ends an answer besides the EOS (:func:`utils.training.answer_end_token` of the run's
+        tokenizer)."""
+        from utils.training import OptimConfig
 
         dtype, unsupervised = args.dtype, bool(args.unsupervised_dataset_name)
         if dtype is None:
@@ -249,7 +251,7 @@ class Step3Config:
                                       max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                       backend=args.generation_backend,
-                                      eot_token=answer_end_token(args, args.actor_model_name_or_path),
+                                      eot_token=eot_token,
                                       print_answers=args.print_answers,
                                       print_answers_interval=args.print_answers_interval)
         return cls(engine=engine, ppo=ppo, reward=reward, generation=generation, unsupervised=unsupervised)

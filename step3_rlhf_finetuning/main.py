@@ -23,7 +23,6 @@ command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no step-3 r
 """
 import argparse
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -49,7 +48,6 @@ from utils.data.unsupervised import get_unsupervised_data
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
-from utils import fault_injection
 from utils.finite import check_finite, check_weights_finite
 from utils.generation import BACKENDS
 from utils.model.critic import save_reward_model
@@ -61,7 +59,7 @@ from utils.reward_functions import check_rows, load_reward_fn
 from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import load_tokenizer, start_run
+from utils.training import answer_end_token, load_tokenizer, start_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -589,10 +587,9 @@ def summarize_run(log, progress: Progress, ref_unchanged: bool | None) -> dict:
     return result
 
 
-def save_models(args, engine, tokenizer, log) -> None:
-    """``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema``, then ``actor/`` under ``--output_dir``: the actor
-    last, because a folder with ``actor/`` counts as a finished run (a kill between two saves leaves one that
-    resumes, not one refused as finished)."""
+def save_models(args, engine, tokenizer, log, folder) -> None:
+    """``critic/`` for PPO, ``actor_ema/`` with ``--enable_ema`` and ``actor/`` under ``--output_dir``, in the order
+    the run's folder (:meth:`~utils.run_folder.RunFolder.save_final`) decides; all or none (non-finite weights)."""
     trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
     saves = []  # (folder, how to save it there), in saving order
     if engine.critic is not None:
@@ -605,28 +602,33 @@ def save_models(args, engine, tokenizer, log) -> None:
                                                         trained_in)))
     check_weights_finite("the step-3 models", engine.actor, engine.critic, engine.actor_ema)  # all or nothing
     log.info(f"saving {', '.join(f'{name}/' for name, _ in saves)} to {args.output_dir}")
-    for count, (name, save) in enumerate(saves, start=1):
-        save(os.path.join(args.output_dir, name))
-        fault_injection.save_point(count)  # test hook: a kill between saves must leave a folder that resumes
+    folder.save_final(saves)
 
 
 def main(args):
     # ---- fail fast on bad flags, model folders and data, before any set-up
     validate_flags(args)
-    preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
-              reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}
-              if args.critic_model_name_or_path else {}, phase=3,
-              length=(args.max_prompt_seq_len + args.max_answer_seq_len, "--max_prompt_seq_len + --max_answer_seq_len"))
+    folder = preflight(args, causal_lms={"--actor_model_name_or_path": args.actor_model_name_or_path},
+                       reward_models={"--critic_model_name_or_path": args.critic_model_name_or_path}
+                       if args.critic_model_name_or_path else {}, phase=3,
+                       length=(args.max_prompt_seq_len + args.max_answer_seq_len,
+                               "--max_prompt_seq_len + --max_answer_seq_len"))
+    with folder:  # a failure before the first step leaves the folder as it was
+        return run(args, folder)
+
+
+def run(args, folder):
+    """Set-up, RL and the final save, in the output folder ``folder`` that :func:`main` took."""
     reward_fn = load_reward_fn(args.reward_fn) if args.reward_fn else None
 
     # ---- set-up: distributed, precision, seed, logger; the configuration of engines, RL and generation
     device, log = start_run(args, "step3_model")
-    config = Step3Config.from_args(args)
+    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+    config = Step3Config.from_args(args, answer_end_token(args, tokenizer, args.actor_model_name_or_path))
     if args.align_overflow and not config.ppo.align_overflow:
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
 
-    # ---- tokenizer, data (prompts, their rows for the reward function, text to mix in), models
-    tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+    # ---- data (prompts, their rows for the reward function, text to mix in), models
     prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
     if args.reward_fn:
         check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
@@ -642,7 +644,7 @@ def main(args):
     # trained, so it is rebuilt from the step-1 folder instead of being saved
     inputs = run_inputs(prompts, actor_model_name_or_path=args.actor_model_name_or_path,
                         critic_model_name_or_path=args.critic_model_name_or_path)
-    ckpt = CheckpointManager.from_args(args, log, inputs)
+    ckpt = CheckpointManager.from_args(args, log, inputs, folder)
     engines = {name: model for name, model in (("actor", engine.actor), ("critic", engine.critic)) if model}
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)
@@ -686,7 +688,7 @@ def main(args):
         parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = summarize_run(log, progress, ref_unchanged)
     if args.output_dir is not None:
-        save_models(args, engine, tokenizer, log)
+        save_models(args, engine, tokenizer, log, folder)
     log.close()
     return result
 

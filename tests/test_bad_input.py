@@ -36,6 +36,7 @@ import torch
 
 from tests.conftest import REPO, Payload
 from utils.errors import UserInputError
+from utils.run_folder import MANIFEST
 
 STEP1 = "step1_supervised_finetuning/main.py"
 STEP2 = "step2_reward_model_finetuning/main.py"
@@ -318,7 +319,7 @@ def test_cli_bad_input_is_one_clear_error_with_exit_code_2(case, cli_runs):
     out_dir = folder / "out"
     if opts.get("trains"):  # trained before the disk filled up: only its metrics log, no partial checkpoint/model
         files = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file())
-        assert files == ["metrics.jsonl"], files
+        assert files == sorted([MANIFEST, "metrics.jsonl"]), files  # and the manifest that lists it
     elif not opts.get("keep_out"):
         assert not out_dir.exists()  # failed before any set-up: nothing written
     if opts.get("untouched"):

@@ -225,14 +225,20 @@ def test_step3_answers_end_at_the_end_of_turn_token():
     from step3_rlhf_finetuning.config import Step3Config
     from step3_rlhf_finetuning.main import parse_args
     from step3_rlhf_finetuning.ppo_trainer import end_of_answer_token_ids
+    from utils.training import answer_end_token, load_tokenizer
+
+    def config(argv):  # as step 3's main: the configuration from the flags and the tokenizer it loaded
+        args = parse_args(argv)
+        tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
+        return Step3Config.from_args(args, answer_end_token(args, tokenizer, args.actor_model_name_or_path))
 
     base = ["--actor_model_name_or_path", "tiny-llama", "--critic_model_name_or_path", "c", "--output_dir", "o",
             "--dtype", "fp32"]
-    assert Step3Config.from_args(parse_args(base)).generation.eot_token is None
-    config = Step3Config.from_args(parse_args(base + ["--apply_chat_template"]))
-    assert config.generation.eot_token == "<|im_end|>"
+    assert config(base).generation.eot_token is None
+    templated = config(base + ["--apply_chat_template"])
+    assert templated.generation.eot_token == "<|im_end|>"
     tok = load_hf_tokenizer("tiny-llama")
-    assert end_of_answer_token_ids(tok, config.generation.eot_token) == (
+    assert end_of_answer_token_ids(tok, templated.generation.eot_token) == (
         tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
 
 

@@ -2,6 +2,7 @@
 collect_comparisons.py): the pairs by hand, a real collection read by step 2, and a labelling function that
 fails, each one clear line with nothing half-written."""
 import json
+import os
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
     report = json.loads((out / "comparisons.json").read_text())
     files = ["comparisons.json", "eval.jsonl", "train.jsonl"] if report["eval"]["pairs"] else \
         ["comparisons.json", "train.jsonl"]  # a random actor's eval answers may all tie: step 2 splits 9:1
-    assert sorted(p.name for p in out.iterdir()) == files
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == files  # not the run's manifest
     assert report["train"]["prompts"] == 12 and report["eval"]["prompts"] == 4 and report["train"]["answers"] == 36
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(rows) == report["train"]["pairs"] > 0
@@ -49,6 +50,13 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
             quality(row["rejected"], noun)
     again = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference"), env=OMP)
     assert again.returncode == 2 and "already holds comparisons" in again.stderr  # no silent overwrite
+    (out / "my_notes.md").write_text("mine")  # --overwrite replaces the earlier collection, nothing else
+    again = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference", "--overwrite"), env=OMP)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "set the earlier run's comparisons.json" in again.stdout and "left in place: my_notes.md" in again.stdout
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(files + ["my_notes.md"])
+    assert (out / "my_notes.md").read_text() == "mine"
+    os.remove(out / "my_notes.md")
     step2 = run_entry("step2_reward_model_finetuning/main.py", "--model_name_or_path", "tiny-llama", "--data_path",
                       out, "--data_split", "0,1,0", "--data_output_path", tmp_path / "data", "--output_dir",
                       tmp_path / "rm", "--max_seq_len", 64, "--max_steps", 2, "--num_padding_at_beginning", 0,

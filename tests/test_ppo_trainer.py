@@ -661,9 +661,10 @@ def test_each_default_lives_in_the_config_dataclasses():
 
 
 def test_the_actor_is_saved_last_so_a_folder_with_an_actor_is_a_finished_run(monkeypatch, tmp_path):
-    """actor/ marks a finished step 3 (utils.preflight.finished_model): a kill between two saves must not leave
+    """actor/ marks a finished step 3 (utils.run_folder.RunFolder.finished): a kill between two saves must not leave
     one without the critic or the EMA actor, which a rerun would refuse as finished instead of resuming."""
     import step3_rlhf_finetuning.main as step3
+    from utils.run_folder import RunFolder
 
     order = []
     monkeypatch.setattr(step3, "save_hf_format", lambda model, tok, path, *a, **k: order.append(os.path.basename(path)))
@@ -671,11 +672,12 @@ def test_the_actor_is_saved_last_so_a_folder_with_an_actor_is_a_finished_run(mon
     engine = SimpleNamespace(actor=nn.Linear(2, 2), critic=nn.Linear(2, 1), actor_ema=nn.Linear(2, 2))
     args = SimpleNamespace(output_dir=str(tmp_path), apply_chat_template=False, actor_zero_stage=0,
                            critic_zero_stage=0)
-    step3.save_models(args, engine, None, SimpleNamespace(info=lambda *a: None))
+    folder = RunFolder(str(tmp_path))
+    step3.save_models(args, engine, None, SimpleNamespace(info=lambda *a: None), folder)
     assert order == ["critic", "actor_ema", "actor"]
     with torch.no_grad():
         engine.critic.weight[0, 0] = float("nan")
     order.clear()
     with pytest.raises(Exception, match="non-finite weights in the step-3 models"):
-        step3.save_models(args, engine, None, SimpleNamespace(info=lambda *a: None))
+        step3.save_models(args, engine, None, SimpleNamespace(info=lambda *a: None), folder)
     assert order == []  # nothing saved, not even the actor

@@ -33,7 +33,8 @@ def finished_folder(folder):
 # --------------------------------------------------------------------------- the rule, per step
 
 def test_a_finished_run_is_refused_and_overwrite_sets_it_aside_until_the_first_step(tmp_path):
-    from utils import overwrite
+    """Through preflight's prepare_output_dir, on a folder an older version left (no manifest); the folder
+    object's whole life cycle is tests/test_run_folder.py's."""
     from utils.preflight import prepare_output_dir
 
     out = finished_folder(tmp_path / "out")
@@ -44,29 +45,33 @@ def test_a_finished_run_is_refused_and_overwrite_sets_it_aside_until_the_first_s
     assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == b"old model"
 
     (out / "notes.txt").write_text("mine")  # e.g. --output_dir . by mistake: nothing a run wrote
-    with pytest.raises(UserInputError, match=r"--overwrite: .*out also holds notes.txt, which no training run "
-                                             r"writes; nothing was deleted"):
+    with pytest.raises(UserInputError, match=r"--overwrite: .*out has no record of what a run wrote there .* also "
+                                             r"holds notes.txt, which no training run writes; nothing was touched"):
         prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False))
     assert sorted(os.listdir(out)) == sorted(before + ["notes.txt"])
     os.remove(out / "notes.txt")
 
     messages = []
-    prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False), log=messages.append)
-    assert os.listdir(out) == ["training.log"]
+    folder = prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False),
+                                log=messages.append)
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == ["training.log"]
     assert "set the earlier run's checkpoints, config.json, metrics.jsonl, model.safetensors aside" in messages[0]
     (out / "metrics.jsonl").write_text("the new run's\n")  # it fails before its first step: all as it was
-    overwrite.restore()
+    with pytest.raises(UserInputError), folder:
+        raise UserInputError("refused after set-up")
     assert sorted(os.listdir(out)) == before and (out / "model.safetensors").read_bytes() == b"old model"
-    assert not os.path.exists(overwrite.aside_folder(str(out))) and "put the earlier run's" in messages[-1]
+    assert not os.path.exists(folder.aside_path) and "put the earlier run's" in messages[-1]
 
-    prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False), log=messages.append)
-    overwrite.commit()  # its first step is done: the earlier run's files go
-    assert os.listdir(out) == ["training.log"] and not os.path.exists(overwrite.aside_folder(str(out)))
+    with prepare_output_dir(SimpleNamespace(output_dir=str(out), overwrite=True, resume=False),
+                            log=messages.append) as folder:
+        folder.step_done(1)  # its first step is done: the earlier run's files go
+    assert sorted(n for n in os.listdir(out) if not n.startswith(".")) == ["training.log"]
+    assert not os.path.exists(folder.aside_path)
 
     out2 = finished_folder(tmp_path / "out2")  # killed (SIGKILL) before its first step: the next run puts back
     before = sorted(os.listdir(out2))
-    prepare_output_dir(SimpleNamespace(output_dir=str(out2), overwrite=True, resume=False), log=messages.append)
-    overwrite._PENDING.clear()  # what a SIGKILL leaves: the set-aside folder, nobody to settle it
+    prepare_output_dir(SimpleNamespace(output_dir=str(out2), overwrite=True, resume=False),
+                       log=messages.append).unlock()  # what a SIGKILL leaves: the set-aside run, nobody to settle it
     with pytest.raises(UserInputError, match="already holds a finished run"):
         prepare_output_dir(SimpleNamespace(output_dir=str(out2), overwrite=False, resume=False), log=messages.append)
     assert sorted(os.listdir(out2)) == before and "was killed before its first training step" in messages[-1]
@@ -163,19 +168,20 @@ def test_metrics_file_follows_the_resumed_step(tmp_path):
     assert path.read_text() == ""
 
 
-def test_interrupt_message_says_where_and_how_to_go_on(monkeypatch):
-    from utils import entrypoint
+def test_interrupt_message_says_where_and_how_to_go_on():
+    from utils.entrypoint import interrupt_message
+    from utils.errors import RunInterrupted
+    from utils.run_folder import RunFolder
 
-    for key in ("step", "checkpoint", "checkpoints"):
-        monkeypatch.setitem(entrypoint.PROGRESS, key, None)
-    assert entrypoint.interrupt_message() == "interrupted before the first training step; nothing was saved, a rerun " \
-                                        "starts afresh"
-    monkeypatch.setitem(entrypoint.PROGRESS, "step", 7)
-    assert "interrupted at step 7; no checkpoint was saved (--save_interval N" in entrypoint.interrupt_message()
-    monkeypatch.setitem(entrypoint.PROGRESS, "checkpoint", 6)
-    monkeypatch.setitem(entrypoint.PROGRESS, "checkpoints", "out/checkpoints")
-    assert entrypoint.interrupt_message() == ("interrupted at step 7; rerun the same command to resume from step 6 "
-                                         "(checkpoint in out/checkpoints)")
+    folder = RunFolder(None)  # the run's folder follows its progress
+    assert folder.interrupt_message() == interrupt_message(KeyboardInterrupt()) == (
+        "interrupted before the first training step; nothing was saved, a rerun starts afresh")
+    folder.step_done(7)
+    assert "interrupted at step 7; no checkpoint was saved (--save_interval N" in folder.interrupt_message()
+    folder.checkpoint_saved(6, "out/checkpoints")
+    assert folder.interrupt_message() == ("interrupted at step 7; rerun the same command to resume from step 6 "
+                                          "(checkpoint in out/checkpoints)")
+    assert interrupt_message(RunInterrupted(folder.interrupt_message())) == folder.interrupt_message()
 
 
 # --------------------------------------------------------------------------- train.py
@@ -292,8 +298,8 @@ def _hold_lock(folder):
     import subprocess
     import sys
 
-    code = ("import sys, time; from utils.files import lock_output_dir; lock_output_dir(sys.argv[1]); "
-            "print('locked', flush=True); time.sleep(600)")
+    code = ("import sys, time; from utils.run_folder import RunFolder; folder = RunFolder(sys.argv[1]); "
+            "folder.lock(); print('locked', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)], cwd=train.REPO, stdout=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline().strip() == "locked"
@@ -303,7 +309,7 @@ def _hold_lock(folder):
 def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     """A second run on a folder in use is refused with one line naming the first's process, before it deletes
     or writes anything (--overwrite included); kill -9 of the first frees the folder (flock dies with it)."""
-    from utils.files import lock_output_dir
+    from utils.run_folder import RunFolder
 
     out = tmp_path / "out"
     out.mkdir()
@@ -311,7 +317,7 @@ def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_pat
     holder = _hold_lock(out)
     try:
         with pytest.raises(UserInputError, match=rf"{out} is in use by another run \(process {holder.pid} on "):
-            lock_output_dir(str(out))
+            RunFolder(str(out)).lock()
         res = run_entry("step1_supervised_finetuning/main.py", "--model_name_or_path", "tiny-opt", "--data_path",
                         "builtin/preference-small", "--output_dir", out, "--overwrite", "--data_output_path",
                         tmp_path / "data", env={"OMP_NUM_THREADS": "1"}, timeout=300)
@@ -321,7 +327,7 @@ def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_pat
     finally:
         holder.kill()
         holder.wait()
-    lock_output_dir(str(out))  # the killed holder's lock is gone
+    RunFolder(str(out)).lock()  # the killed holder's lock is gone
 
 
 def test_two_train_py_runs_on_one_output_dir(tmp_path):
@@ -368,7 +374,7 @@ def test_a_build_lock_left_by_a_killed_compile_is_cleared_and_a_live_one_kept(tm
 def test_temporaries_of_a_killed_save_are_removed_by_the_next_run(tmp_path):
     """atomic_directory writes .NAME.tmp-* (and moves the old folder to .NAME.old-*) beside the folder; a
     kill -9 mid-save leaves them. The next run on that folder (holding its lock) removes them, and only them."""
-    from utils.files import remove_stale_temporaries
+    from utils.run_folder import RunFolder
 
     out = tmp_path / "out"
     left = [tmp_path / ".out.tmp-k2j3", tmp_path / ".out.old-9x", out / ".actor.tmp-77", out / ".critic.old-1"]
@@ -376,5 +382,5 @@ def test_temporaries_of_a_killed_save_are_removed_by_the_next_run(tmp_path):
     for folder in left + keep:
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"half")
-    assert remove_stale_temporaries(str(out)) == sorted(map(str, left))
+    assert RunFolder(str(out)).remove_stale_temporaries() == sorted(map(str, left))
     assert not any(p.exists() for p in left) and all(p.exists() for p in keep)

@@ -47,7 +47,6 @@ step N (after any checkpoint of that step), to test resuming from a hard crash, 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -61,11 +60,10 @@ import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from utils import fault_injection, overwrite
+from utils import fault_injection
 from utils.distributed import barrier, get_rank, get_world_size, is_rank_0
-from utils.entrypoint import PROGRESS
 from utils.errors import UserInputError
-from utils.files import atomic_write_text, fsync_tree, is_write_failure
+from utils.files import atomic_write_text, content_hash, fsync_tree, is_write_failure
 
 MANIFEST = "MANIFEST.json"
 STATE = "trainer_state.pt"
@@ -196,14 +194,6 @@ class ModuleState:
 
 # --------------------------------------------------------------------------- files
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _files(root: str):
     for dirpath, _, names in os.walk(root):
         for name in sorted(names):
@@ -219,7 +209,7 @@ def _hash_all(paths) -> list:
 
     paths = list(paths)
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1, len(paths)))) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(lambda path: content_hash(path, digits=None), paths))
 
 
 def write_manifest(root: str) -> None:
@@ -317,8 +307,9 @@ class CheckpointManager:
 
     def __init__(self, output_dir: str, max_checkpoints: int = 2, log: Callable[[str], None] = print,
                  save_interval: int = 0, require_resume: bool = False, config: Optional[dict] = None,
-                 warn: Optional[Callable[[str], None]] = None):
+                 warn: Optional[Callable[[str], None]] = None, folder=None):
         self.root = os.path.join(output_dir, "checkpoints")
+        self.folder = folder  # the run's utils.run_folder.RunFolder: told of each step, checkpoint and resume
         self.max_checkpoints = max(1, max_checkpoints)
         self.log = log
         self.warn = warn or (lambda msg: log(f"warning: {msg}"))
@@ -329,8 +320,9 @@ class CheckpointManager:
         self.metrics = None  # a TrainLogger whose metrics.jsonl follows the resumed step (from_args)
 
     @classmethod
-    def from_args(cls, args, log, inputs: Optional[dict] = None) -> "CheckpointManager":
-        """From ``--output_dir``, ``--save_interval``, ``--max_checkpoints``, ``--resume``.
+    def from_args(cls, args, log, inputs: Optional[dict] = None, folder=None) -> "CheckpointManager":
+        """From ``--output_dir``, ``--save_interval``, ``--max_checkpoints``, ``--resume``; ``folder``: the run's
+        :class:`~utils.run_folder.RunFolder` (what :func:`utils.preflight.preflight` returned).
 
         ``log``: a :class:`~utils.logger.TrainLogger` (its ``metrics.jsonl`` is trimmed to
         the resumed step). Every argument but :data:`RUN_ONLY_FLAGS` must be equal in the
@@ -341,7 +333,7 @@ class CheckpointManager:
         config["world_size"] = get_world_size()
         config.update(inputs or {})
         manager = cls(args.output_dir, args.max_checkpoints, log.info, save_interval=args.save_interval,
-                      require_resume=args.resume, config=config, warn=log.warning)
+                      require_resume=args.resume, config=config, warn=log.warning, folder=folder)
         manager.metrics = log
         manager.trust_checkpoint = getattr(args, "trust_checkpoint", False)
         return manager
@@ -419,13 +411,15 @@ class CheckpointManager:
 
     def step_done(self, step: int, engines: Dict[str, object], trainer_state: Callable[[], dict]) -> None:
         """After optimizer step ``step`` (whose loss/reward passed ``check_finite``): save every
-        ``--save_interval`` steps, then the test hook (``utils.fault_injection.kill_point``)."""
-        PROGRESS["step"] = step
-        overwrite.commit()  # the run has proved it can run: --overwrite deletes the earlier run's files now
+        ``--save_interval`` steps, then the test hook (``utils.fault_injection.kill_point``). The run's folder hears
+        of both (the first step settles ``--overwrite``; the Ctrl-C message says where the run stood)."""
+        if self.folder is not None:
+            self.folder.step_done(step)
         if self.save_interval > 0 and step % self.save_interval == 0:
             start = time.time()
             path = self.save(step, engines, trainer_state())
-            PROGRESS.update(checkpoint=step, checkpoints=self.root)
+            if self.folder is not None:
+                self.folder.checkpoint_saved(step, self.root)
             self.log(f"saved checkpoint {path} ({time.time() - start:.2f}s)")
         fault_injection.kill_point(step)
 
@@ -465,7 +459,8 @@ class CheckpointManager:
         if not os.path.isfile(rng_file):
             raise UserInputError(f"checkpoint {path} has no RNG state for rank {get_rank()} (saved with fewer ranks)")
         set_rng_state(torch.load(rng_file, weights_only=True))
-        PROGRESS.update(step=state["step"], checkpoint=state["step"], checkpoints=self.root)
+        if self.folder is not None:
+            self.folder.resumed(state["step"], self.root)
         self.log(f"resumed from {path} (step {state['step']})")
         return state
 

@@ -7,23 +7,21 @@ from typing import Callable
 import torch
 
 from utils.distributed import get_rank
-from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, TrainingDiverged, UserInputError
+from utils.errors import (BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, RunInterrupted, TrainingDiverged,
+                          UserInputError)
+from utils.run_folder import RunFolder
 
 
-# Where a training run is, for the Ctrl-C message: updated by utils.checkpoint.CheckpointManager.
-PROGRESS = {"step": None, "checkpoint": None, "checkpoints": None}
+def interrupt_message(e: KeyboardInterrupt) -> str:
+    """Where the run stood (:class:`~utils.errors.RunInterrupted`, from the run's output folder), or, for a Ctrl-C
+    before the folder was taken, that nothing was saved."""
+    return e.message if isinstance(e, RunInterrupted) else RunFolder(None).interrupt_message()
 
 
-def interrupt_message() -> str:
-    """"interrupted at step N; rerun … to resume from step M" (or what a rerun does instead)."""
-    step, saved, root = PROGRESS["step"], PROGRESS["checkpoint"], PROGRESS["checkpoints"]
-    where = "before the first training step" if step is None else f"at step {step}"
-    if saved:
-        return f"interrupted {where}; rerun the same command to resume from step {saved} (checkpoint in {root})"
-    if step is None:
-        return f"interrupted {where}; nothing was saved, a rerun starts afresh"
-    return (f"interrupted {where}; no checkpoint was saved (--save_interval N saves one every N steps), "
-            "so a rerun starts afresh")
+def error_line(e: BaseException, text: str = "") -> str:
+    """``error: …`` (``text``, default the exception's message) with the exception's notes (e.g. what
+    ``--overwrite`` deleted before the run failed)."""
+    return "; ".join([f"error: {text or e}", *getattr(e, "__notes__", ())])
 
 
 OOM_REMEDY = ("lower --per_device_*_batch_size (step 3: --per_device_generation_batch_size / "
@@ -41,30 +39,21 @@ def out_of_memory_message(e: BaseException) -> str:
 def run_main(main: Callable, args) -> None:
     """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3,
     running out of GPU memory with one line naming the remedies and exit code 4, Ctrl-C with one line
-    saying where the run stopped and how to resume, exit code 130."""
+    saying where the run stopped and how to resume, exit code 130. What the output folder does on each
+    (``--overwrite``'s earlier run put back, or named as gone) is the run's :class:`~utils.run_folder.RunFolder`'s
+    business, inside ``main``."""
     import signal
 
-    from utils import overwrite
-
     try:
-        try:
-            main(args)
-        except BaseException as e:
-            if not (isinstance(e, SystemExit) and not e.code):
-                overwrite.restore()  # failed before its first step: --overwrite puts the earlier run back
-            raise
-        overwrite.commit()  # ended well (a run without a training step included)
-    except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(BAD_INPUT)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(DIVERGED)
+        main(args)
+    except (UserInputError, TrainingDiverged) as e:
+        print(error_line(e), file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT if isinstance(e, UserInputError) else DIVERGED)
     except torch.OutOfMemoryError as e:
-        print(f"error: {out_of_memory_message(e)}", file=sys.stderr, flush=True)
+        print(error_line(e, out_of_memory_message(e)), file=sys.stderr, flush=True)
         sys.exit(OUT_OF_MEMORY)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
         if get_rank() == 0:
-            print(f"\n{interrupt_message()}", file=sys.stderr, flush=True)
+            print(f"\n{interrupt_message(e)}", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)

@@ -24,3 +24,11 @@ class UserInputError(ValueError):
 class TrainingDiverged(RuntimeError):
     """A non-finite loss/reward: training stops, nothing new is saved (message names step and quantity)."""
 
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C, with where the run stood and how to go on (:meth:`utils.run_folder.RunFolder.interrupt_message`)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
 
 from utils.errors import UserInputError
+
+# The name tags of atomic_directory's temporaries beside a folder: ``.NAME.tmp-*`` (the new content) and
+# ``.NAME.old-*`` (the folder it replaces); a kill mid-save leaves them (utils.run_folder removes them).
+TEMPORARY_TAGS = (".tmp-", ".old-")
 
 
 def fsync_file(path: str) -> None:
@@ -89,7 +94,7 @@ def atomic_directory(out_dir: str):
     parent = os.path.dirname(out_dir)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}{TEMPORARY_TAGS[0]}", dir=parent)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; an output folder is an ordinary folder
@@ -105,7 +110,7 @@ def atomic_directory(out_dir: str):
             for name in os.listdir(out_dir):
                 if not os.path.exists(os.path.join(tmp, name)):
                     os.replace(os.path.join(out_dir, name), os.path.join(tmp, name))
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}{TEMPORARY_TAGS[1]}", dir=parent)
             os.replace(out_dir, os.path.join(old, "x"))
             os.replace(tmp, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -119,19 +124,23 @@ def atomic_directory(out_dir: str):
         raise
 
 
-def content_hash(path: str, sample: int | None = None) -> str:
-    """sha256 of a file's bytes (hex, 16 characters); with ``sample``, of its size, first and last ``sample``
-    bytes only (for model weights of many GB: a different model differs there, and reading it all would take
-    minutes). Computed once per process for an unchanged file (same inode, size and change time: unlike the
-    modification time, the change time cannot be set back)."""
-    st = os.stat(path)
-    return _content_hash(os.path.abspath(path), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns), sample)
+def content_hash(source: str | os.PathLike | bytes, sample: int | None = None, digits: int | None = 16) -> str:
+    """The project's one content hash: sha256, as hex cut to ``digits`` characters (None: all 64), of ``source``'s
+    bytes: a file's (``source`` a path) or the bytes given (text: ``content_hash(text.encode())``).
+
+    A file with ``sample``: of its size, first and last ``sample`` bytes only (for model weights of many GB: a
+    different model differs there, and reading it all would take minutes). A file's hash is computed once per
+    process while it is unchanged (same inode, size and change time: unlike the modification time, the change
+    time cannot be set back)."""
+    if isinstance(source, bytes):
+        return hashlib.sha256(source).hexdigest()[:digits]
+    st = os.stat(source)
+    return _file_hash(os.path.abspath(source), st.st_size, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns),
+                      sample)[:digits]
 
 
 @functools.lru_cache(maxsize=256)
-def _content_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
-    import hashlib
-
+def _file_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         if sample is None or size <= 2 * sample:
@@ -142,7 +151,7 @@ def _content_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str
             digest.update(f.read(sample))
             f.seek(size - sample)
             digest.update(f.read(sample))
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")
@@ -150,67 +159,12 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinj
 
 def model_fingerprint(name_or_path: str) -> str:
     """What identifies a model for resuming: a local folder by its files' content (weights sampled,
-    :func:`content_hash`), anything else (a hub name) by its name."""
+    :func:`content_hash`; hidden files such as a run's manifest are bookkeeping, not the model), anything else (a
+    hub name) by its name."""
     if not os.path.isdir(name_or_path):
         return f"name:{name_or_path}"
     parts = [f"{name}:{content_hash(os.path.join(name_or_path, name), sample=1 << 20)}"
              for name in sorted(os.listdir(name_or_path))
              if name.endswith(MODEL_FILE_SUFFIXES) and name not in ("metrics.jsonl", "training_format.json")
-             and os.path.isfile(os.path.join(name_or_path, name))]
+             and not name.startswith(".") and os.path.isfile(os.path.join(name_or_path, name))]
     return ";".join(parts)
-
-
-_HELD_LOCKS: dict = {}  # path -> open file: a lock lives as long as its process (the kernel drops it at exit)
-
-
-def lock_output_dir(out_dir: str) -> None:
-    """One output folder, one run: an exclusive ``flock`` on ``.<name>.lock`` beside ``out_dir``, held until
-    this process ends (a crash or kill -9 releases it: no stale lock). The lock sits beside the folder, not in
-    it, because saving replaces the folder (:func:`atomic_directory`). Raises :class:`UserInputError` naming
-    the process that holds it. A second call for the same folder in one process is a no-op."""
-    import fcntl
-
-    out_dir = os.path.abspath(out_dir)
-    if out_dir in _HELD_LOCKS:
-        return
-    path = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.lock")
-    try:
-        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-        f = open(path, "a+")
-    except OSError as e:
-        raise UserInputError(f"cannot write beside output folder {out_dir} ({path}): {e.strerror}") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise UserInputError(f"{out_dir} is in use by another run (process {holder}); wait for it to end, stop "
-                             "it, or give another output folder") from None
-    except OSError:  # a file system without flock (some network mounts): go on unlocked
-        f.close()
-        return
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()} on {os.uname().nodename}\n")
-    f.flush()
-    _HELD_LOCKS[out_dir] = f
-
-
-def remove_stale_temporaries(out_dir: str) -> list:
-    """Remove what saves killed mid-way left (:func:`atomic_directory`'s ``.NAME.tmp-*`` and ``.NAME.old-*``)
-    beside ``out_dir`` and, for step 3's sub-folders, inside it; returns the paths removed. Call only while
-    holding :func:`lock_output_dir`: then no other run can be writing them."""
-    import glob
-
-    out_dir = os.path.abspath(out_dir)
-    name = glob.escape(os.path.basename(out_dir))
-    found = []
-    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
-        found += glob.glob(os.path.join(glob.escape(os.path.dirname(out_dir)), pattern))
-    if os.path.isdir(out_dir):
-        for pattern in (".*.tmp-*", ".*.old-*"):
-            found += glob.glob(os.path.join(glob.escape(out_dir), pattern))
-    for path in found:
-        shutil.rmtree(path, ignore_errors=True)
-    return sorted(found)

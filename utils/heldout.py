@@ -28,12 +28,12 @@ The result (a dict, stored in ``summary.json`` under ``"heldout"``)::
 """
 from __future__ import annotations
 
-import os
 import random
 from typing import Dict, List, Optional, Tuple
 
 from utils.data import rule_score
 from utils.data.builtin import SCALE_CLASSES, load_builtin, scale_answer
+from utils.run_folder import RunFolder
 
 N_PROMPTS = 40
 MAX_NEW_TOKENS = 32
@@ -134,13 +134,10 @@ def reward_model_report(rm_dir: str, prompts: List[str], dataset: str = "builtin
     return {"dir": rm_dir, "pairs": len(rows), "accuracy": accuracy, "scale": scale}
 
 
-def _has_model(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, "config.json"))
-
-
 def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str = "builtin/preference",
                   sampling: Optional[dict] = None) -> dict:
-    """Rule scores of the actors in ``actor_dirs`` (step -> HF folder) and the reward model's accuracy per kind.
+    """Rule scores of the actors in ``actor_dirs`` (step -> output folder: its model, step 3's ``actor/``, is
+    found by :meth:`~utils.run_folder.RunFolder.model_dir`) and the reward model's accuracy per kind.
 
     ``sampling``: step 3's ``{"temperature", "top_k", "top_p"}`` when it sampled, to score sampled
     answers too. Folders without a model are skipped; the result's layout is in the module docstring.
@@ -150,8 +147,9 @@ def heldout_check(actor_dirs: Dict[int, str], rm_dir: str | None, dataset: str =
     if sampling is not None:
         result["sampling"] = {**sampling, "per_prompt": PER_PROMPT, "seed": SEED}
     for step, folder in sorted(actor_dirs.items()):
-        if _has_model(folder):
-            result["actors"][str(step)] = actor_report(folder, prompts, sampling)
-    if rm_dir and _has_model(rm_dir):  # the labelled pairs of builtin/preference (demonstrations have none)
+        model = RunFolder(folder).model_dir()
+        if model:
+            result["actors"][str(step)] = actor_report(model, prompts, sampling)
+    if rm_dir and RunFolder(rm_dir).model_dir():  # the labelled pairs of builtin/preference (demonstrations have none)
         result["reward_model"] = reward_model_report(rm_dir, prompts, PAIRS)
     return result

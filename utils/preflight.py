@@ -1,8 +1,10 @@
 """Input checks every entry point runs first: bad input fails in about a second, with one
 :class:`~utils.errors.UserInputError`, before distributed set-up, DeepSpeed, any model
-is built, and before anything is written (no output folder, no log file).
+is built, and before anything is written; the output folder is taken last (:class:`~utils.run_folder.RunFolder`).
 
-    preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path})
+    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path})
+    with folder:
+        ...
 
 checks the output folder can be written, that each causal-LM path exists and is not a
 step-2 reward-model folder (and, with ``--apply_chat_template``, has a chat template), that
@@ -16,8 +18,7 @@ import tempfile
 from typing import Mapping, Optional
 
 from utils.errors import UserInputError
-from utils import overwrite as overwrite_files
-from utils.files import lock_output_dir, remove_stale_temporaries
+from utils.run_folder import RunFolder
 
 
 def check_output_dir_writable(out_dir: Optional[str], flag: str = "--output_dir") -> None:
@@ -248,23 +249,6 @@ def check_phase_share(data_split: str, phase: int, has_sft_only_data: bool = Fal
                              "so there is nothing to train on")
 
 
-RUN_LOG = "training.log"  # train.py's copy of a step's console output: written before the step starts
-# What a run writes into its --output_dir (a Hugging Face model folder, step 3's sub-folders, checkpoints,
-# metrics, tensorboard logs of the per-size scripts): --overwrite deletes these and nothing else.
-RUN_ENTRIES = ("config.json", "generation_config.json", "reward_model.json", "*.safetensors", "*.bin",
-               "*.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-               "merges.txt", "chat_template.*", "training_format.json", "*.model", "metrics.jsonl*",
-               "checkpoints", "actor", "critic", "actor_ema", "ds_tensorboard_logs", "events.out.tfevents.*")
-
-
-def finished_model(out_dir: str) -> Optional[str]:
-    """The folder holding a finished run's model in ``out_dir`` (step 3: its ``actor/``), or None."""
-    for folder in (out_dir, os.path.join(out_dir, "actor")):
-        if os.path.isfile(os.path.join(folder, "config.json")):
-            return folder
-    return None
-
-
 def changed_flags(args, out_dir: str) -> list:
     """``--flag old -> new`` for the result flags that differ from the newest checkpoint in ``out_dir``
     (none when there is no readable checkpoint; flags not resolved yet, such as a default dtype, are skipped)."""
@@ -299,53 +283,24 @@ def check_output_is_not_an_input(out_dir: Optional[str], models: dict) -> None:
                                      f"{flag} ({path}): training would replace it; give another --output_dir")
 
 
-def prepare_output_dir(args, log=print) -> None:
-    """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step.
+def prepare_output_dir(args, log=print) -> RunFolder:
+    """The rerun rule for ``--output_dir`` (README, "Reruns and output folders"), one for every step: the
+    :class:`~utils.run_folder.RunFolder` of ``--output_dir``, taken for this run (rank 0: locked, what kills left
+    cleaned up, a finished run refused unless ``--overwrite``, which sets the earlier run's entries aside until
+    the new run's first step). Checkpoints of an unfinished run are resumed from later (:mod:`utils.checkpoint`).
 
-    * a folder holding a finished run (a saved model) is refused, unless ``--overwrite``;
-    * ``--overwrite`` sets aside what an earlier run left there (model, checkpoints,
-      metrics.jsonl: :data:`RUN_ENTRIES`; not train.py's ``training.log``) so the new run starts
-      afresh, and deletes it once the new run's first step is done (:mod:`utils.overwrite`: put back
-      if the run fails before); a folder that also holds anything else is refused, nothing touched;
-    * otherwise checkpoints of an unfinished run are resumed from (:mod:`utils.checkpoint`), and
-      ``metrics.jsonl`` keeps only the rows up to the resumed step (:meth:`TrainLogger.restart_metrics`).
-
-    Call last among the checks: nothing is deleted when another check fails.
+    Call last among the checks: nothing is moved when another check fails.
     """
-    import fnmatch
-
-    out, overwrite = getattr(args, "output_dir", None), getattr(args, "overwrite", False)
-    if out and int(os.environ.get("RANK", "0")) == 0:
-        overwrite_files.recover(out, log)  # an earlier --overwrite killed before its first step
-    if not out or not os.path.isdir(out):
-        return
-    model = finished_model(out)
-    if model is not None and not overwrite:
-        changed = changed_flags(args, out)
-        raise UserInputError(f"--output_dir {out} already holds a finished run (its model is in {model}"
-                             f"{'; changed since: ' + ', '.join(changed) if changed else ''}); rerun with "
-                             "--overwrite to replace it (the old model, checkpoints and metrics.jsonl are deleted "
-                             "after the new run's first step), or give another --output_dir")
-    if not overwrite:
-        return
-    old = [name for name in sorted(os.listdir(out)) if name != RUN_LOG]
-    foreign = [name for name in old if not any(fnmatch.fnmatch(name, pattern) for pattern in RUN_ENTRIES)]
-    if foreign:  # e.g. --output_dir . by mistake: never delete what no run wrote
-        raise UserInputError(f"--overwrite: {out} also holds {', '.join(foreign[:5])}"
-                             f"{' …' if len(foreign) > 5 else ''}, which no training run writes; nothing was "
-                             "deleted: move those away or give another --output_dir")
-    if int(os.environ.get("RANK", "0")) == 0 and old:  # one mover, also when nodes share the folder
-        try:  # deleted after the new run's first step, put back if it fails before (utils/overwrite.py)
-            overwrite_files.set_aside(out, old, keep=(RUN_LOG,), log=log)
-        except OSError as e:
-            overwrite_files.restore()
-            raise UserInputError(f"--overwrite: cannot move the earlier run's files aside in {out} "
-                                 f"({e.strerror or e}); nothing was deleted") from None
+    folder = RunFolder(getattr(args, "output_dir", None), log)
+    if folder.path:
+        folder.claim(getattr(args, "overwrite", False), changes=lambda: changed_flags(args, folder.path))
+    return folder
 
 
 def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[str, str] = (),
-              phase: Optional[int] = None, data: bool = True, length: Optional[tuple] = None) -> None:
-    """The cheap checks of an entry point (module docstring); raises :class:`UserInputError`.
+              phase: Optional[int] = None, data: bool = True, length: Optional[tuple] = None) -> RunFolder:
+    """The cheap checks of an entry point (module docstring); raises :class:`UserInputError`. Returns the run's
+    output folder, taken for it (:func:`prepare_output_dir`): run the rest inside ``with folder:``.
 
     ``phase``: the data phase the step trains on (checked to have a non-zero ``--data_split`` share).
     ``length``: ``(tokens, "the flags that make it")`` every model must have positions for; default
@@ -381,8 +336,4 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
     if data and local_rank == 0:
         names = list(args.data_path) + list(getattr(args, "sft_only_data_path", None) or [])
         check_data_sources(names, args.data_output_path, args.seed)
-    if getattr(args, "output_dir", None) and int(os.environ.get("RANK", "0")) == 0:
-        lock_output_dir(args.output_dir)  # before --overwrite deletes anything: one folder, one run
-        for path in remove_stale_temporaries(args.output_dir):
-            print(f"removed {path}, left by a save that was killed", flush=True)
-    prepare_output_dir(args)
+    return prepare_output_dir(args)

@@ -49,14 +49,14 @@ def load_tokenizer(args, name_or_path: str):
                              apply_chat_template=getattr(args, "apply_chat_template", False))
 
 
-def answer_end_token(args, name_or_path: str) -> str | None:
+def answer_end_token(args, tokenizer, name_or_path: str) -> str | None:
     """The token that ends an answer besides the EOS (step 3's ``GenerationConfig.eot_token``): the chat
-    template's end-of-turn token with ``--apply_chat_template``, ``--eot_token`` with ``--add_eot_token``,
-    else None."""
+    template's end-of-turn token of the run's ``tokenizer`` (:func:`load_tokenizer` of ``name_or_path``) with
+    ``--apply_chat_template``, ``--eot_token`` with ``--add_eot_token``, else None."""
     if getattr(args, "apply_chat_template", False):
         from utils.data.chat_template import chat_format
 
-        return chat_format(load_tokenizer(args, name_or_path), name_or_path).eot
+        return chat_format(tokenizer, name_or_path).eot
     return args.eot_token if args.add_eot_token else None
 
 

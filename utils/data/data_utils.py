@@ -39,7 +39,6 @@ barrier and then read it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import List, Sequence
@@ -53,6 +52,7 @@ from utils.data.local_datasets import PROMPT_MESSAGES
 from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
+from utils.files import content_hash
 from utils.reward_functions import REFERENCE
 
 CACHE_VERSION = 2  # 2: phase-3 samples carry their prompt text and dataset row
@@ -234,7 +234,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     special = json.dumps([tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side,
                           getattr(tokenizer, "add_bos_token", None)])
-    return hashlib.sha256((vocab + special + type(tokenizer).__name__).encode()).hexdigest()
+    return content_hash((vocab + special + type(tokenizer).__name__).encode(), digits=None)
 
 
 def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token,
@@ -249,7 +249,7 @@ def cache_key(data_path, data_split, train_phase, seed, tokenizer, max_seq_len, 
         parts["chat_template"] = chat_template
     if train_phase == 3:
         parts["row_fields"] = ROW_FIELDS_VERSION
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+    return content_hash(json.dumps(parts, sort_keys=True).encode(), digits=24)
 
 
 def _save(obj, path):

@@ -44,7 +44,6 @@ content guard: that answering with constraints did not cost the answers' quality
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -53,6 +52,7 @@ import sys
 from typing import Callable, Dict, List, Tuple
 
 from utils.errors import BAD_INPUT, UserInputError
+from utils.files import content_hash
 from utils.ifeval import RELATIONS, describe
 
 OUTPUTS = ("train.jsonl", "heldout.jsonl", "heldout_plain.jsonl")
@@ -237,7 +237,7 @@ def split(items: List[Tuple[int, str, str]], heldout: int, seed: int) -> Tuple[l
     """``(train, heldout)``: the ``heldout`` instructions first in the order of ``sha256(seed:instruction)`` are
     held out; both keep the file's order."""
     def rank(item):
-        return hashlib.sha256(f"{seed}:{item[1]}".encode()).hexdigest()
+        return content_hash(f"{seed}:{item[1]}".encode(), digits=None)
 
     held = {item[1] for item in sorted(items, key=rank)[:heldout]}
     return [i for i in items if i[1] not in held], [i for i in items if i[1] in held]

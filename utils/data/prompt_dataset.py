@@ -31,13 +31,12 @@ The adapters: :mod:`utils.data.hub_datasets`, :mod:`utils.data.local_datasets`;
 """
 from __future__ import annotations
 
-import hashlib
-
 from utils.data.sources import (EVAL_SPLIT_NAMES, _column_names, _combine, _concat, _safe_name,
                                 _select, _type_name)
 from utils.data.chat_template import dschat_messages
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
+from utils.files import content_hash
 
 # Bump when the way rows are read or rendered changes: part of every fingerprint,
 # so tokenised-data caches built by older code are not reused.
@@ -46,13 +45,11 @@ RAW_FORMAT_VERSION = 2  # 2: local rows keep their other fields beside prompt/ch
 
 def _files_fingerprint(files):
     """The files' paths and content (sha256): an edit that keeps the size and the modification time is noticed."""
-    from utils.files import content_hash
-
     return f"local:v{RAW_FORMAT_VERSION}:" + ";".join(f"{path}:{content_hash(path)}" for path in files)
 
 
 def _short_hash(text):
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    return content_hash(text.encode("utf-8"), digits=12)
 
 
 # --------------------------------------------------------------------------- base class

@@ -1,0 +1,497 @@
+"""One owner for a step's output folder: :class:`RunFolder`.
+
+Every question about an output folder is answered here, and only here: where its model lives, what this project
+wrote there, whether the run in it finished, who may write it (the lock), what a killed save left, what
+``--overwrite`` moves and deletes, the order of the final saves, and where a run stood when it was interrupted.
+The entry points (through :func:`utils.preflight.preflight`), ``train.py``, the held-out check
+(:mod:`utils.heldout`) and chat (:mod:`inference.chatbot`) ask a :class:`RunFolder`; no other module knows the
+names below (``tests/test_run_folder.py`` checks that).
+
+Layout of ``--output_dir PARENT/NAME``::
+
+    PARENT/NAME/.dschat-run.json   the manifest: every entry of NAME a run of this project wrote, and whether
+                                   the run finished (written by the run, rank 0; JSON)
+    PARENT/NAME/...                the run's entries: the model (steps 1, 2, DPO), actor/ critic/ actor_ema/
+                                   (step 3), checkpoints/, metrics.jsonl, train.py's training.log
+    PARENT/.NAME.lock              the lock: an flock the system drops when its process ends (beside the folder,
+                                   because saving a model replaces the folder)
+    PARENT/.NAME.replaced/         --overwrite: the earlier run's entries, until the new run's first training
+                                   step or good end (then deleted) or its failure (then put back)
+    PARENT/.NAME.tmp-* .NAME.old-* a save in progress (:func:`utils.files.atomic_directory`), or what a kill left
+    PARENT/.NAME.training.log      train.py's log of a step on a folder that already holds an earlier run's
+                                   entries, until the step takes the folder (it then becomes NAME/training.log)
+
+What is "ours": the entries the manifest lists (each run adds what it writes: new entries, and entries a save
+replaced). A folder without a manifest (written by an older version of this project, or by no run at all) has
+only :data:`LEGACY_ENTRIES` (exact names: the files a run used to write) as ours, and ``--overwrite`` on it is
+refused, nothing touched, while it also holds anything else. Entries that are not ours (a user's
+``tokenizer_notes.md``) are never moved or deleted. ``--overwrite`` sets aside every entry of ours but
+``training.log``, which train.py replaces once the new run has taken the folder (a step run by hand leaves it).
+A run that fails before its first training step removes the entries it added, puts back what it set aside and
+the manifest's run as it was: the folder is as it was, byte for byte.
+
+"Finished": the folder holds a model (:meth:`RunFolder.model_dir`: ``config.json`` and weights, in the folder or
+its ``actor/``) and the manifest says the run ended its final save (a folder without a manifest: the model alone).
+
+The life of a run (rank 0 owns the folder; the other ranks' objects only follow the progress)::
+
+    folder = RunFolder(args.output_dir)
+    folder.claim(overwrite)     # lock, clean what a kill left, refuse a finished run, set the earlier run aside
+    with folder:                # a failure before the first step puts the folder back as it was
+        ...
+        folder.step_done(step)  # (via CheckpointManager) first step: the earlier run's entries are deleted
+        folder.save_final([...])  # the models in order, the one that marks a finished run last; then finished
+
+Pure module: standard library and :mod:`utils.files` only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from utils import fault_injection
+from utils.errors import RunInterrupted, UserInputError
+from utils.files import TEMPORARY_TAGS, atomic_write_text
+
+MANIFEST = ".dschat-run.json"
+MANIFEST_FORMAT = "dschat-run"
+RUN_LOG = "training.log"  # train.py's copy of a step's console output
+MODEL_SUBFOLDER = "actor"  # step 3 keeps its actor (the model that marks a finished run) here
+WEIGHT_ENDINGS = (".safetensors", ".bin", ".index.json")
+# What runs of the versions before the manifest wrote into an output folder: exact names (no patterns, so a
+# user's tokenizer_notes.md or my_experiment.model is never taken for ours), plus sharded weights.
+LEGACY_ENTRIES = frozenset((
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "training_format.json", "reward_model.json", "metrics.jsonl", "checkpoints", "actor",
+    "critic", "actor_ema", "ds_tensorboard_logs", RUN_LOG))
+LEGACY_SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+
+Stamp = Tuple[int, int]  # (device, inode) of an entry: a save replaces it, a move keeps it
+
+
+def _stamps(folder: str) -> Dict[str, Stamp]:
+    """``{name: (device, inode)}`` of ``folder``'s entries (empty when it does not exist)."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    for name in os.listdir(folder):
+        try:
+            st = os.lstat(os.path.join(folder, name))
+        except FileNotFoundError:
+            continue
+        found[name] = (st.st_dev, st.st_ino)
+    return found
+
+
+def _remove(path: str) -> None:
+    """Delete a folder (its tree, not a symlink's target) or a file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def has_weights(folder: str) -> bool:
+    """``folder`` holds a Hugging Face model: ``config.json`` and weights (or a sharded index)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return False
+    return any(name.endswith(WEIGHT_ENDINGS) for name in os.listdir(folder))
+
+
+class RunFolder:
+    """A step's output folder (module docstring). ``path`` None: a run without an output folder (every method a
+    no-op). ``owner``: this process moves, deletes and records (default: global rank 0, ``$RANK``)."""
+
+    def __init__(self, path: Optional[str], log: Callable[[str], None] = print, owner: Optional[bool] = None):
+        self.path = os.path.abspath(path) if path else None
+        self.log = log
+        self.owner = bool(self.path) and (int(os.environ.get("RANK", "0")) == 0 if owner is None else owner)
+        self.step: Optional[int] = None  # the last optimizer step done (or resumed from)
+        self.checkpoint: Optional[int] = None  # the step of the newest checkpoint on disk
+        self.checkpoints: Optional[str] = None  # where the checkpoints are
+        self._lock_file = None
+        self._claimed = False
+        self._at_claim: Optional[Dict[str, Stamp]] = None  # the folder's entries when the run took it
+        self._earlier_run: Optional[str] = None  # the manifest's run before this one took the folder
+        self._created = False  # the run made the folder
+        self._aside: List[str] = []  # entries set aside, not settled yet
+        self._deleted: List[str] = []  # entries of the earlier run this run deleted (--overwrite, after step 1)
+        self._stepped = False  # an optimizer step happened in this process
+
+    # ------------------------------------------------------------------ layout
+
+    def _beside(self, suffix: str) -> str:
+        return os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}{suffix}")
+
+    @property
+    def aside_path(self) -> str:
+        return self._beside(".replaced")
+
+    @property
+    def lock_path(self) -> str:
+        return self._beside(".lock")
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.path, MANIFEST)
+
+    def model_dir(self) -> Optional[str]:
+        """The folder holding the model of this layout (the folder itself, or step 3's ``actor/``), or None."""
+        if not self.path:
+            return None
+        for folder in (self.path, os.path.join(self.path, MODEL_SUBFOLDER)):
+            if os.path.isdir(folder) and has_weights(folder):
+                return folder
+        return None
+
+    def manifest(self) -> Optional[dict]:
+        """The manifest, or None (no manifest, or one that cannot be read: then the folder is treated as an
+        older version's)."""
+        try:
+            with open(self.manifest_path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and isinstance(data.get("entries"), list)
+        return data if ok else None
+
+    def finished(self) -> bool:
+        """A finished run: a model, and (when there is a manifest) the final save completed."""
+        if self.model_dir() is None:
+            return False
+        data = self.manifest()
+        return data is None or bool(data.get("finished"))
+
+    def run_id(self) -> Optional[str]:
+        """Which run the manifest belongs to (changes when a run takes the folder), or None."""
+        return (self.manifest() or {}).get("run")
+
+    def ours(self) -> Tuple[List[str], List[str]]:
+        """``(ours, others)``: the folder's entries a run of this project wrote, and the rest (never touched)."""
+        names = sorted(n for n in os.listdir(self.path) if n != MANIFEST) if os.path.isdir(self.path) else []
+        data = self.manifest()
+        if data is not None:
+            listed = set(data["entries"])
+            return [n for n in names if n in listed], [n for n in names if n not in listed]
+        legacy = [n for n in names if n in LEGACY_ENTRIES or LEGACY_SHARD.fullmatch(n)]
+        return legacy, [n for n in names if n not in legacy]
+
+    def movable(self) -> List[str]:
+        """The entries ``--overwrite`` sets aside: ours but train.py's ``training.log``, which train.py replaces
+        itself once the new run has taken the folder (:meth:`adopt_log`; it may be writing it right now)."""
+        return [n for n in self.ours()[0] if n != RUN_LOG]
+
+    # ------------------------------------------------------------------ lock
+
+    def lock(self) -> None:
+        """One output folder, one run: an exclusive ``flock`` on :attr:`lock_path`, held until :meth:`unlock` or
+        the process ends (a crash or kill -9 releases it: no stale lock). Raises :class:`UserInputError` naming
+        the process that holds it. A no-op when already held by this object."""
+        import fcntl
+
+        if not self.path or self._lock_file is not None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            f = open(self.lock_path, "a+")
+        except OSError as e:
+            raise UserInputError(f"cannot write beside output folder {self.path} ({self.lock_path}): "
+                                 f"{e.strerror}") from None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise UserInputError(f"{self.path} is in use by another run (process {holder}); wait for it to end, stop "
+                                 "it, or give another output folder") from None
+        except OSError:  # a file system without flock (some network mounts): go on unlocked
+            f.close()
+            return
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._lock_file = f
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the file drops the flock
+            self._lock_file = None
+
+    # ------------------------------------------------------------------ what kills leave
+
+    def remove_stale_temporaries(self) -> List[str]:
+        """Remove what saves killed mid-way left (:func:`~utils.files.atomic_directory`'s temporaries beside the
+        folder and, for step 3's sub-folders, inside it; a half-deleted set-aside run); returns the paths.
+        Call only while holding the lock: then no other run can be writing them."""
+        parent, base = os.path.dirname(self.path), os.path.basename(self.path)
+        found = [os.path.join(parent, n) for n in os.listdir(parent)
+                 if any(n.startswith(f".{base}{tag}") for tag in TEMPORARY_TAGS)] if os.path.isdir(parent) else []
+        if os.path.isdir(self.path):
+            found += [os.path.join(self.path, n) for n in os.listdir(self.path)
+                      if n.startswith(".") and any(tag in n[1:] for tag in TEMPORARY_TAGS)]
+        for path in found:
+            _remove(path)
+        return sorted(found)
+
+    def recover(self) -> None:
+        """Put back what an ``--overwrite`` killed (SIGKILL) before its first step had set aside: the killed run's
+        own entries go, the earlier run's come back."""
+        if not os.path.isdir(self.aside_path):
+            return
+        if self.manifest() is not None:  # the killed run's entries, and its manifest
+            for name in self.movable() + [MANIFEST]:
+                _remove(os.path.join(self.path, name))
+        moved = self._put_back()
+        self.log(f"put back {', '.join(moved) or 'nothing'} into {self.path}: a run with --overwrite was killed "
+                 "before its first training step")
+
+    def _put_back(self) -> List[str]:
+        """Move every entry of the set-aside folder back (replacing an entry of the same name); remove it."""
+        os.makedirs(self.path, exist_ok=True)
+        moved = sorted(os.listdir(self.aside_path))
+        for name in moved:
+            dest = os.path.join(self.path, name)
+            if os.path.lexists(dest):
+                _remove(dest)
+            os.replace(os.path.join(self.aside_path, name), dest)
+        os.rmdir(self.aside_path)
+        return [n for n in moved if n != MANIFEST]
+
+    # ------------------------------------------------------------------ taking the folder
+
+    def claim(self, overwrite: bool = False, changes: Callable[[], List[str]] = list) -> "RunFolder":
+        """Take the folder for this run (rank 0; the other ranks only return): the lock, then what kills left,
+        then the rerun rule (docs/outputs.md): a finished run is refused unless ``overwrite``, which sets the
+        earlier run's entries aside. ``changes()``: the result flags changed since the finished run, for the
+        refusal. Nothing in the folder is touched when it refuses. Returns ``self``."""
+        if not self.owner:
+            return self
+        self.lock()
+        try:
+            for path in self.remove_stale_temporaries():
+                self.log(f"removed {path}, left by a save that was killed")
+            self.recover()
+            self._check_rerun(overwrite, changes)
+            self._created = not os.path.isdir(self.path)
+            if overwrite:
+                self._set_aside()
+            self._start_manifest(keep=not overwrite)
+        except BaseException:
+            self._undo()
+            self.unlock()
+            raise
+        self._claimed = True
+        return self
+
+    def _check_rerun(self, overwrite: bool, changes: Callable[[], List[str]]) -> None:
+        """Refuse a finished run without ``overwrite``, and ``overwrite`` on a folder without a manifest that
+        holds entries no run wrote (its other entries are then not known to be ours either)."""
+        if self.finished() and not overwrite:
+            changed = changes()
+            raise UserInputError(f"--output_dir {self.path} already holds a finished run (its model is in "
+                                 f"{self.model_dir()}{'; changed since: ' + ', '.join(changed) if changed else ''}); "
+                                 "rerun with --overwrite to replace it (the old model, checkpoints and metrics.jsonl "
+                                 "are deleted after the new run's first step), or give another --output_dir")
+        ours, others = self.ours()
+        if overwrite and others and self.movable() and self.manifest() is None:
+            raise UserInputError(f"--overwrite: {self.path} has no record of what a run wrote there ({MANIFEST}: "
+                                 f"a folder from an older version?) and also holds {', '.join(others[:5])}"
+                                 f"{' …' if len(others) > 5 else ''}, which no training run writes; nothing was "
+                                 f"touched: move those away, or delete the earlier run's {', '.join(ours[:5])}"
+                                 f"{' …' if len(ours) > 5 else ''} yourself, or give another --output_dir")
+
+    def _set_aside(self) -> None:
+        """Move the earlier run's entries (and its manifest) into :attr:`aside_path`."""
+        moving, others = self.movable(), self.ours()[1]
+        if not moving:
+            return
+        try:
+            os.makedirs(self.aside_path)
+            # the manifest first: a kill half-way leaves a folder whose manifest (if any) is the new run's
+            for name in ([MANIFEST] if os.path.exists(self.manifest_path) else []) + moving:
+                os.replace(os.path.join(self.path, name), os.path.join(self.aside_path, name))
+                self._aside.append(name)
+        except OSError as e:
+            raise UserInputError(f"--overwrite: cannot move the earlier run's files aside in {self.path} "
+                                 f"({e.strerror or e}); nothing was deleted") from None
+        kept = f"; left in place: {', '.join(others)} (no run wrote them)" if others else ""
+        self.log(f"--overwrite: set the earlier run's {', '.join(moving)} aside (in {self.aside_path}); they are "
+                 f"deleted after this run's first training step, and put back if it fails before{kept}")
+
+    def _start_manifest(self, keep: bool) -> None:
+        """This run's manifest: the earlier entries of the run it continues (``keep``), none after --overwrite."""
+        os.makedirs(self.path, exist_ok=True)
+        self._at_claim, self._earlier_run = _stamps(self.path), self.run_id()
+        entries = self._entries() if keep else []
+        if keep and self.manifest() is None:  # an older version's unfinished run: its known entries are ours
+            entries = self.ours()[0]
+        self._write_manifest(entries, finished=False,
+                             run=f"{os.getpid()}@{socket.gethostname()}:{time.time():.6f}")
+
+    def _entries(self) -> List[str]:
+        return (self.manifest() or {}).get("entries", [])
+
+    def _write_manifest(self, entries: Iterable[str], **fields) -> None:
+        data = self.manifest() or {}
+        data.update(format=MANIFEST_FORMAT, version=1, **fields, entries=sorted(set(entries)))
+        atomic_write_text(self.manifest_path, json.dumps(data, indent=1) + "\n")
+
+    # ------------------------------------------------------------------ during the run
+
+    def written(self) -> List[str]:
+        """The entries this run wrote so far: new since it took the folder, or replaced (a save renames a new
+        entry into place). An entry a user edits in place keeps its inode, and stays theirs."""
+        return sorted(n for n, stamp in _stamps(self.path).items()
+                      if n != MANIFEST and (self._at_claim or {}).get(n) != stamp)
+
+    def record(self, *names: str) -> None:
+        """Add what this run wrote (and ``names``) to the manifest; writes only when something is new."""
+        if not (self.owner and self._claimed):
+            return
+        entries = set(self._entries()) | set(self.written()) | set(names)
+        if entries != set(self._entries()):
+            self._write_manifest(entries)
+
+    def step_done(self, step: int) -> None:
+        """Optimizer step ``step`` is done: the run has proved it can run, so what ``--overwrite`` set aside is
+        deleted now."""
+        self.step, self._stepped = step, True
+        self.commit()
+        self.record()
+
+    def checkpoint_saved(self, step: int, root: str) -> None:
+        self.checkpoint, self.checkpoints = step, root
+        self.record()
+
+    def resumed(self, step: int, root: str) -> None:
+        self.step = self.checkpoint = step
+        self.checkpoints = root
+
+    def commit(self) -> None:
+        """Delete what ``--overwrite`` set aside (a no-op when nothing waits). Renamed to a stale-temporary name
+        first, so a kill while deleting never lets a half-deleted earlier run be put back."""
+        if not self._aside:
+            return
+        doomed = self._beside(f"{TEMPORARY_TAGS[1]}replaced")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(self.aside_path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        self._deleted, self._aside = [n for n in self._aside if n != MANIFEST], []
+        self.log(f"--overwrite: deleted the earlier run's files ({', '.join(self._deleted)})")
+
+    def restore(self) -> None:
+        """The run failed before its first step: remove the entries it added, put back what it set aside, and
+        remove the folder if the run made it and left nothing else there."""
+        try:
+            self._undo()
+        except OSError as e:  # say where they are rather than lose them
+            self.log(f"--overwrite: could not put the earlier run's files back into {self.path} ({e}); they are in "
+                     f"{self.aside_path}")
+            return
+
+    def _undo(self) -> None:
+        """Settle a run that failed before its first step (or a claim that failed half-way): see :meth:`restore`."""
+        added = [n for n in _stamps(self.path) if n not in self._at_claim] if self._at_claim is not None else []
+        for name in added:
+            _remove(os.path.join(self.path, name))
+        if MANIFEST not in added and self._at_claim is not None and self.manifest() is not None:
+            self._write_manifest(self._entries(), run=self._earlier_run)  # the run it was before
+        if self._aside:
+            self._aside = []
+            moved = self._put_back()
+            self.log(f"--overwrite: this run failed before its first step; put the earlier run's {', '.join(moved)} "
+                     f"back into {self.path}")
+        if self._created and os.path.isdir(self.path) and not os.listdir(self.path):
+            os.rmdir(self.path)
+
+    # ------------------------------------------------------------------ the end
+
+    def save_final(self, saves: Sequence[Tuple[Optional[str], Callable[[str], None]]]) -> None:
+        """Write the run's models, ``(sub-folder or None for the folder itself, writer(path))`` each, on every
+        rank (a save is collective), then mark the run finished. The model that marks a finished run (the folder
+        itself, or ``actor/``) is saved last, so that a kill between two saves leaves a folder that an older
+        version too resumes rather than refuses. Each save is recorded as it lands."""
+        marks = (None, MODEL_SUBFOLDER)
+        ordered = [s for s in saves if s[0] not in marks] + [s for s in saves if s[0] in marks]
+        for count, (name, save) in enumerate(ordered, start=1):
+            save(os.path.join(self.path, name) if name else self.path)
+            self.record()
+            fault_injection.save_point(count)  # test hook: a kill between saves must leave a folder that resumes
+        if self.owner and self._claimed:
+            self._write_manifest(self._entries(), finished=True)
+
+    def gone(self) -> str:
+        """What ``--overwrite`` deleted in this run, for the message of a run that fails afterwards ('' if none)."""
+        if not self._deleted:
+            return ""
+        return (f"the earlier run's {', '.join(self._deleted)} in {self.path} were deleted after this run's first "
+                "training step (--overwrite) and are gone")
+
+    def interrupt_message(self) -> str:
+        """"interrupted at step N; rerun … to resume from step M" (or what a rerun does instead)."""
+        where = "before the first training step" if self.step is None else f"at step {self.step}"
+        if self.checkpoint:
+            text = (f"interrupted {where}; rerun the same command to resume from step {self.checkpoint} (checkpoint "
+                    f"in {self.checkpoints})")
+        elif self.step is None:
+            text = f"interrupted {where}; nothing was saved, a rerun starts afresh"
+        else:
+            text = (f"interrupted {where}; no checkpoint was saved (--save_interval N saves one every N steps), so a "
+                    "rerun starts afresh")
+        return f"{text}; {self.gone()}" if self.gone() else text
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        """A failure before the first step puts the folder back as it was (:meth:`restore`); after it, the
+        failure's message says what ``--overwrite`` deleted. Ctrl-C becomes :class:`RunInterrupted` with
+        :meth:`interrupt_message`. The lock is released."""
+        try:
+            failed = error is not None and not (isinstance(error, SystemExit) and not error.code)
+            if failed and not self._stepped and self.owner and self._claimed:
+                self.restore()
+            elif self.owner and self._claimed:
+                self.commit()  # ended well (a run without a training step included)
+                self.record()
+            if failed and self.gone() and not isinstance(error, KeyboardInterrupt):
+                error.add_note(self.gone())
+        finally:
+            self.unlock()
+        if isinstance(error, KeyboardInterrupt) and not isinstance(error, RunInterrupted):
+            raise RunInterrupted(self.interrupt_message()) from None
+        return False
+
+
+    # ------------------------------------------------------------------ train.py's log of a step
+
+    def step_log(self) -> str:
+        """Where train.py writes a step's console output: ``training.log`` in the folder while the folder holds
+        nothing (a first run: follow it there live), else beside it until the step has taken the folder
+        (:meth:`adopt_log`), so that a refused rerun leaves the earlier run's log as it was."""
+        if os.path.isdir(self.path) and os.listdir(self.path):
+            return self._beside(f".{RUN_LOG}")
+        os.makedirs(self.path, exist_ok=True)
+        return os.path.join(self.path, RUN_LOG)
+
+    def adopt_log(self, log_path: str, earlier_run: Optional[str], ended_well: bool) -> str:
+        """After a step that train.py logged to ``log_path`` (:meth:`step_log`): when the step took the folder (it
+        ended well, or the manifest's run is no longer ``earlier_run``), the log becomes the folder's
+        ``training.log`` and is recorded as ours; else it stays beside. Returns where the log is now."""
+        inside = os.path.join(self.path, RUN_LOG)
+        took = ended_well or self.run_id() != earlier_run
+        if log_path != inside and took and os.path.isdir(self.path):
+            os.replace(log_path, inside)
+            log_path = inside
+        if log_path == inside and self.manifest() is not None and RUN_LOG not in self._entries():
+            self._write_manifest(self._entries() + [RUN_LOG])
+        return log_path
