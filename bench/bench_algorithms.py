@@ -42,9 +42,9 @@ import sys
 import tempfile
 import time
 
+from step3_rlhf_finetuning.algorithms import ESTIMATORS  # the specs are torch-free
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
-from step3_rlhf_finetuning.algorithms import ESTIMATORS  # noqa: E402 - the specs are torch-free
 
 GROUP = 4  # answers per prompt of the group estimators (and of reinforce, for the same batch of 16)
 # row name: (estimator, its step-3 flags besides the estimator's)

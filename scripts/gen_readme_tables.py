@@ -104,7 +104,6 @@ def table_for(name: str) -> str:
 
 
 def spec_table(name: str) -> str:
-    sys.path.insert(0, REPO)
     from step3_rlhf_finetuning.algorithms import DOC_TABLES
 
     if name not in DOC_TABLES:
