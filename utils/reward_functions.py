@@ -122,22 +122,23 @@ def gsm8k(prompts: List[str], answers: List[str], rows: List[dict]) -> List[floa
     return scores
 
 
+def _share_missing(missing: int, total: int, what: str) -> Optional[str]:
+    """``"<missing> of <total> <what>"``, the refusal of a reward function's data check, or None if none is missing."""
+    return f"{missing} of {total} {what}" if missing else None
+
+
 def _check_gsm8k_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
-    missing = sum(gsm8k_reference(row) is None for row in rows)
-    if missing:
-        return (f"{missing} of {len(rows)} prompts have no reference answer ending in '#### <number>' (gsm8k's "
-                "`answer` field); use data with reference answers, e.g. ../shared/data/gsm8k/train.jsonl")
-    return None
+    return _share_missing(sum(gsm8k_reference(row) is None for row in rows), len(rows),
+                          "prompts have no reference answer ending in '#### <number>' (gsm8k's `answer` field); use "
+                          "data with reference answers, e.g. ../shared/data/gsm8k/train.jsonl")
 
 
 def _check_builtin_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     from utils.data.rule_score import asked_object
 
-    missing = sum(asked_object(prompt) is None for prompt in prompts)
-    if missing:
-        return (f"{missing} of {len(prompts)} prompts are not built-in prompts (\"... the <object>. Assistant:\"): "
-                "the built-in functions score answers to builtin/... prompts only")
-    return None
+    return _share_missing(sum(asked_object(prompt) is None for prompt in prompts), len(prompts),
+                          "prompts are not built-in prompts (\"... the <object>. Assistant:\"): the built-in "
+                          "functions score answers to builtin/... prompts only")
 
 
 def ifeval(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:

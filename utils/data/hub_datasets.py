@@ -17,8 +17,15 @@ from utils.data.sources import _LocalSource, _answer, _concat, _load_hub, _wrap_
 
 # --------------------------------------------------------------------------- hub adapters
 class _HubDataset(PromptRawDataset):
+    """A hub dataset of DeepSpeed-Chat's list (or a local copy of one); its ``clean_name`` is the reference's
+    ``dataset_name_clean``, its canonical name with "/" and "-" as "_"."""
     hub_id = None
     hub_config = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.canonical_name:
+            cls.clean_name = cls.canonical_name.replace("/", "_").replace("-", "_")
 
     def _resolve(self):
         path = os.path.expanduser(self.dataset_name)
@@ -39,10 +46,23 @@ class _HubDataset(PromptRawDataset):
         return f"hub:{self.dataset_name}:{self.hub_id}{config}:v{RAW_FORMAT_VERSION}"
 
 
+class _ColumnsDataset(_HubDataset):
+    """A dataset whose prompt, chosen (and rejected) answers are plain text columns, named in that order by
+    ``required_columns``: the prompt wrapped in the Human/Assistant turns, the answers spaced."""
+
+    def get_prompt(self, sample):
+        return _wrap_prompt(sample[self.required_columns[0]])
+
+    def get_chosen(self, sample):
+        return _answer(sample[self.required_columns[1]])
+
+    def get_rejected(self, sample):
+        return _answer(sample[self.required_columns[2]]) if self.has_rejected else None
+
+
 class DahoasRmstaticDataset(_HubDataset):
     """Prompts already ``"\\n\\nHuman: ... \\n\\nAssistant:"``; answers already spaced."""
     canonical_name = hub_id = "Dahoas/rm-static"
-    clean_name = "Dahoas_rm_static"
     eval_split = "test"
     required_columns = ("prompt", "chosen", "rejected")
 
@@ -58,30 +78,18 @@ class DahoasRmstaticDataset(_HubDataset):
 
 class DahoasFullhhrlhfDataset(DahoasRmstaticDataset):
     canonical_name = hub_id = "Dahoas/full-hh-rlhf"
-    clean_name = "Dahoas_full_hh_rlhf"
 
 
-class DahoasSyntheticinstructgptjpairwiseDataset(_HubDataset):
+class DahoasSyntheticinstructgptjpairwiseDataset(_ColumnsDataset):
     canonical_name = hub_id = "Dahoas/synthetic-instruct-gptj-pairwise"
-    clean_name = "Dahoas_synthetic_instruct_gptj_pairwise"
     eval_split = None
     required_columns = ("prompt", "chosen", "rejected")
-
-    def get_prompt(self, sample):
-        return _wrap_prompt(sample["prompt"])
-
-    def get_chosen(self, sample):
-        return _answer(sample["chosen"])
-
-    def get_rejected(self, sample):
-        return _answer(sample["rejected"])
 
 
 class YitingxieRlhfrewarddatasetsDataset(_HubDataset):
     """Rows: prompt ``"\\n\\nHuman: ...\\n\\n"``, answers ``"Assistant: ..."`` (the
     reference: prompt + "Assistant:", answer = text after the last "Assistant:")."""
     canonical_name = hub_id = "yitingxie/rlhf-reward-datasets"
-    clean_name = "yitingxie_rlhf_reward_datasets"
     eval_split = "test"
     required_columns = ("prompt", "chosen", "rejected")
 
@@ -114,7 +122,6 @@ class OpenaiWebgptcomparisonsDataset(_HubDataset):
     """chosen = the higher-scored answer (answer_0 on ties, as the reference), with
     citation brackets such as "[1]" (and any bracketed/parenthesised text) removed."""
     canonical_name = hub_id = "openai/webgpt_comparisons"
-    clean_name = "openai_webgpt_comparisons"
     eval_split = None
     required_columns = ("question", "answer_0", "answer_1", "score_0", "score_1")
 
@@ -138,7 +145,6 @@ class OpenaiWebgptcomparisonsDataset(_HubDataset):
 class StanfordnlpSHPDataset(_HubDataset):
     """labels == 1 means human_ref_A is preferred."""
     canonical_name = hub_id = "stanfordnlp/SHP"
-    clean_name = "stanfordnlp_SHP"
     eval_split = "validation"
     required_columns = ("history", "human_ref_A", "human_ref_B", "labels")
 
@@ -156,7 +162,6 @@ class PvduySharegptalpacaoavicunaformatDataset(_HubDataset):
     """Vicuna-format prompts ("USER: ... ASSISTANT:") become " Human: ... Assistant:";
     chosen = label; no rejected."""
     canonical_name = hub_id = "pvduy/sharegpt_alpaca_oa_vicuna_format"
-    clean_name = "pvduy_sharegpt_alpaca_oa_vicuna_format"
     eval_split = "test"
     has_rejected = False
     required_columns = ("prompt", "label")
@@ -172,24 +177,16 @@ class PvduySharegptalpacaoavicunaformatDataset(_HubDataset):
         return _answer(sample["label"])
 
 
-class Wangrui6ZhihuKOLDataset(_HubDataset):
+class Wangrui6ZhihuKOLDataset(_ColumnsDataset):
     canonical_name = hub_id = "wangrui6/Zhihu-KOL"
-    clean_name = "wangrui6_Zhihu_KOL"
     eval_split = None
     has_rejected = False
     required_columns = ("INSTRUCTION", "RESPONSE")
-
-    def get_prompt(self, sample):
-        return _wrap_prompt(sample["INSTRUCTION"])
-
-    def get_chosen(self, sample):
-        return _answer(sample["RESPONSE"])
 
 
 class CohereMiraclzhqueries2212Dataset(_HubDataset):
     """chosen/rejected = the first positive/negative passage (None when there is none)."""
     canonical_name = hub_id = "Cohere/miracl-zh-queries-22-12"
-    clean_name = "Cohere_miracl_zh_queries_22_12"
     eval_split = "dev"
     required_columns = ("query", "positive_passages", "negative_passages")
 
@@ -209,13 +206,11 @@ class CohereMiraclzhqueries2212Dataset(_HubDataset):
 
 class CohereMiracljaqueries2212Dataset(CohereMiraclzhqueries2212Dataset):
     canonical_name = hub_id = "Cohere/miracl-ja-queries-22-12"
-    clean_name = "Cohere_miracl_ja_queries_22_12"
 
 
 class HelloSimpleAIHC3ChineseDataset(_HubDataset):
     canonical_name = hub_id = "Hello-SimpleAI/HC3-Chinese"
     hub_config = "all"
-    clean_name = "Hello_SimpleAI_HC3_Chinese"
     eval_split = None
     has_rejected = False
     required_columns = ("question", "human_answers")
@@ -232,7 +227,6 @@ class MkqaChineseDataset(_HubDataset):
     """The "mkqa" set, one language: queries[lang], answers[lang][0]["text"]."""
     canonical_name = "mkqa-Chinese"
     hub_id = "mkqa"
-    clean_name = "mkqa_Chinese"
     lang = "zh_cn"
     eval_split = None
     has_rejected = False
@@ -248,28 +242,19 @@ class MkqaChineseDataset(_HubDataset):
 
 class MkqaJapaneseDataset(MkqaChineseDataset):
     canonical_name = "mkqa-Japanese"
-    clean_name = "mkqa_Japanese"
     lang = "ja"
 
 
-class LmqgQgjaquadDataset(_HubDataset):
+class LmqgQgjaquadDataset(_ColumnsDataset):
     canonical_name = hub_id = "lmqg/qg_jaquad"
-    clean_name = "lmqg_qg_jaquad"
     eval_split = "validation"
     has_rejected = False
     required_columns = ("question", "sentence")
-
-    def get_prompt(self, sample):
-        return _wrap_prompt(sample["question"])
-
-    def get_chosen(self, sample):
-        return _answer(sample["sentence"])
 
 
 class LmqgQagjaquadDataset(_HubDataset):
     """As the reference: prompt = the first of ``questions``, chosen = ``paragraph``."""
     canonical_name = hub_id = "lmqg/qag_jaquad"
-    clean_name = "lmqg_qag_jaquad"
     eval_split = "validation"
     has_rejected = False
     required_columns = ("questions", "paragraph")
