@@ -22,6 +22,11 @@ step's ``training.log``.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import dataclasses
 import datetime
@@ -38,7 +43,7 @@ from step3_rlhf_finetuning.algorithms import run_title  # the config and specs a
 from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
-from utils.files import lock_output_dir
+from utils.files import lock_output_dir, machine_write_failure_line
 from utils.preflight import check_output_dir_writable
 from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
@@ -760,9 +765,21 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
+    from utils.interrupt import raise_on_ctrl_c
+
     try:
+        raise_on_ctrl_c()  # the plan starts: Ctrl-C is handled below and in run_logged
         sys.exit(main(parse_args()))
     except KeyboardInterrupt:  # between steps (a running step is handled in run_logged)
         print("\ninterrupted between steps; the steps reported as finished are complete (rerun the others "
               "with --step)", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
+    except UserInputError as e:  # e.g. the summary could not be written
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
+    except Exception as e:  # a full disk writing training.log or the summary: one line, not a traceback
+        line = machine_write_failure_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)

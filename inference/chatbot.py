@@ -15,6 +15,11 @@ would not fit), and the format used is said once on stderr. Type ``clear`` to fo
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import os
 import sys
@@ -204,13 +209,13 @@ def validate(args) -> None:
 
 
 def main(args) -> None:
-    validate(args)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    transformers.set_seed(args.seed)
     try:
+        validate(args)
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        transformers.set_seed(args.seed)
         bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p,
                       args.top_k, args.dtype, args.apply_chat_template)
         print(bot.describe_format(), file=sys.stderr, flush=True)

@@ -10,6 +10,11 @@ perplexity after every epoch → save an HF folder. With ``--save_interval`` a r
 checkpoint is written every N optimizer steps; rerunning the command resumes from it
 (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import math
 import time
 

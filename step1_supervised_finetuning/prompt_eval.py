@@ -16,6 +16,11 @@ model's answer ends at the template's end-of-turn token.
 compatibility with the reference's scripts, whose diverse-beam and contrastive
 searches are commented out (transformers >= 4.56 moved both out of the library).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 
 from utils.arguments import add_chat_template_arg

@@ -17,6 +17,11 @@ result is a plain Hugging Face causal-LM folder: use it directly or as the step-
 With ``--save_interval`` a resumable checkpoint of the policy is written every N optimizer
 steps; rerunning the command resumes from it (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import time
 
 import torch

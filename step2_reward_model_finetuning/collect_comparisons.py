@@ -13,6 +13,11 @@ differently scored answers, better first (:mod:`utils.data.comparisons`) → ``t
 and ``comparisons.json`` (counts, settings)
 in ``--output_dir``, written atomically: a failed run leaves no folder behind.
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import math

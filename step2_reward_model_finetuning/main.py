@@ -11,6 +11,11 @@ steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`)
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import time
 
 import torch

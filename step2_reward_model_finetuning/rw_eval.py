@@ -16,6 +16,11 @@ A reward model trained with ``--apply_chat_template`` scores with it too: each p
 DeepSpeed-Chat's ``" Human: … Assistant:"``, read back as messages) and answer are formatted with the
 folder's chat template, and the score is read at the end-of-turn token (:mod:`utils.data.chat_template`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import os

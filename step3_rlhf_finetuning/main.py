@@ -21,6 +21,11 @@ With ``--save_interval N`` a resumable checkpoint is written every N RL steps (a
 engines, the EMA actor, RNG states, prompt position, reward EMA, history); rerunning the
 command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no step-3 resume).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import math
 import os
