@@ -34,8 +34,8 @@ from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
-                            make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, load_tokenizer,
+                            make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -150,6 +150,7 @@ def main(args):
         if finished():
             break
     log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
+    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:

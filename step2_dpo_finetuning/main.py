@@ -42,8 +42,8 @@ from utils.preflight import preflight
 from utils.model.lean_forward import pair_log_probs
 from utils.rl_math import dpo_loss
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, frozen_ds_config,
-                            load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
+                            frozen_ds_config, load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -216,6 +216,7 @@ def main(args):
             break
     log.info(f"reward margin: before {first['margin']:+.4f} -> after {metrics['margin']:+.4f}; "
              f"accuracy {first['acc']:.4f} -> {metrics['acc']:.4f}")
+    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
 
     # ---- save (a plain HF causal-LM folder)
     if args.output_dir is not None:

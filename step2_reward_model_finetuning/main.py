@@ -34,8 +34,8 @@ from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, load_tokenizer,
-                            make_engine, make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
+                            load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -182,6 +182,7 @@ def main(args):
         if args.max_steps and step >= args.max_steps:
             break
     log.info(f"accuracy: before {first['acc']:.4f} -> after {metrics['acc']:.4f}")
+    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:
