@@ -35,7 +35,7 @@ from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
 from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
-                            load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
+                            load_tokenizer, make_engine, make_loaders, schedule_note, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -124,6 +124,8 @@ def main(args):
     total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
                                         args.num_train_epochs, args.max_steps)
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
+        log.warning(note)
 
     def evaluate(step: int, when: str) -> dict:
         metrics = evaluate_reward(model, eval_loader, device, args.eval_iters)

@@ -66,7 +66,7 @@ from utils.reward_functions import check_rows, load_reward_fn
 from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import check_steps_ran, load_tokenizer, refuse_no_optimizer_step, start_run
+from utils.training import check_steps_ran, load_tokenizer, refuse_no_optimizer_step, schedule_note, start_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -666,6 +666,8 @@ def main(args):
     prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
     if args.reward_fn:
         check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_iters):
+        log.warning(note)
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
     on_policy = old_logprobs_from_training_pass(config.ppo, micro_batches_per_round(args), config.engine.actor.grad_accum,
                                                 has_dropout(engine.actor.module))

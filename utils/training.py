@@ -157,6 +157,20 @@ def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs:
     return min(total, max_steps) if max_steps else total
 
 
+def schedule_note(lr_scheduler_type: str, num_warmup_steps: int, total_steps: int) -> str | None:
+    """What the run's learning-rate schedule does with ``--num_warmup_steps`` when that is not what the flag
+    suggests (a warm-up longer than the run; a warm-up the constant schedule ignores), with the numbers; else
+    None. Every step logs it as a warning (DeepSpeed-Chat's step 3 warms up for 100 steps: a short run never
+    reaches its learning rate)."""
+    if num_warmup_steps and lr_scheduler_type == "constant":
+        return (f"--num_warmup_steps {num_warmup_steps} is not used: --lr_scheduler_type constant has no warm-up "
+                "(constant_with_warmup has)")
+    if lr_scheduler_type != "constant" and num_warmup_steps > total_steps > 0:
+        return (f"--num_warmup_steps {num_warmup_steps} is more than the run's {total_steps} optimizer steps: the "
+                f"learning rate rises the whole run and ends at {total_steps / num_warmup_steps:.0%} of its peak")
+    return None
+
+
 def check_steps_ran(what: str, steps_before: int, steps_after: int, steps_planned: int, engines=(),
                     why: str = "") -> None:
     """After training, before saving (every step): refuse a run in which no optimizer step changed the model.
