@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from step3_rlhf_finetuning.algorithms import run_title  # the config and specs are pure: no torch
 from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
-from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
+from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args, positive_int  # pure: no torch
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
 from utils.files import lock_output_dir, machine_write_failure_line
 from utils.preflight import check_output_dir_writable
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Results go to {output}/actor-models/, reward-models/, step3-models/.")
     p.add_argument("--deployment-type", default="single_gpu", choices=("single_gpu", "single_node", "multi_node"),
                    help="One GPU (CPU when there is none), all GPUs of this node, or several nodes (--hostfile).")
-    p.add_argument("--num-gpus", type=int, default=None,
+    p.add_argument("--num-gpus", type=positive_int, default=None,
                    help="single_node: GPUs to use (default: all).")
     p.add_argument("--cpu-ranks", type=cpu_ranks, default=1,
                    help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
@@ -216,6 +216,12 @@ def parse_args(argv=None):
             shlex.split(getattr(args, name))
         except ValueError as e:  # e.g. "No closing quotation"
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {e}")
+    if args.cpu_ranks > 1 and args.deployment_type != "single_node":
+        parser.error(f"--cpu-ranks {args.cpu_ranks} would not be used: CPU ranks are --deployment-type single_node's "
+                     f"(got {args.deployment_type})")
+    if args.num_gpus is not None and args.deployment_type != "single_node":
+        parser.error(f"--num-gpus {args.num_gpus} would not be used: it is --deployment-type single_node's (got "
+                     f"{args.deployment_type}: {'one GPU' if args.deployment_type == 'single_gpu' else '--hostfile'})")
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
     args.hostfile = os.path.abspath(args.hostfile)  # the steps run in the repository folder
