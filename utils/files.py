@@ -46,9 +46,9 @@ def atomic_write_text(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-# errno values that are the machine's state, not a bug: the disk or quota full, a file-size limit, a read-only
-# file system, an I/O error of the device
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+# errno values of a write the machine refuses, not a bug: the disk or quota full, a file-size limit, a read-only
+# file system
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 # what libraries raise instead of an OSError when the file system refuses a write: torch's zip writer
 # (PytorchStreamWriter, inline_container.cc), torch's C++ ofstream ("basic_ios::clear: iostream error", e.g. a
 # torch.save that hits a full disk), safetensors' "I/O error"
