@@ -102,10 +102,6 @@ def validate(args):
                              "--prompts replaces them; give one of them")
     if args.add_eot_token and not args.eot_token.strip():
         raise UserInputError("--add_eot_token needs a non-empty --eot_token")
-    given = [f"--{name} {getattr(args, name)}" for name in UNUSED_FLAGS if getattr(args, name) is not None]
-    if given:  # accepted for DeepSpeed-Chat's scripts, never silently: named
-        print(f"note: {', '.join(given)} not used: this prompt_eval runs greedy and beam search only (DeepSpeed-Chat's "
-              "diverse-beam and contrastive searches are commented out in its own)", file=sys.stderr, flush=True)
     if args.num_return_sequences > args.num_beams:
         raise UserInputError(f"--num_return_sequences {args.num_return_sequences} needs --num_beams ≥ that "
                              f"(got --num_beams {args.num_beams}); greedy decoding returns one sequence")
@@ -115,6 +111,10 @@ def validate(args):
 
     for flag in ("--model_name_or_path_baseline", "--model_name_or_path_finetune"):  # one line, not a traceback
         check_causal_lm_path(flag, getattr(args, flag[2:]))
+    given = [f"--{name} {getattr(args, name)}" for name in UNUSED_FLAGS if getattr(args, name) is not None]
+    if given:  # accepted for DeepSpeed-Chat's scripts, never silently: named
+        print(f"note: {', '.join(given)} not used: this prompt_eval runs greedy and beam search only (DeepSpeed-Chat's "
+              "diverse-beam and contrastive searches are commented out in its own)", file=sys.stderr, flush=True)
 
 
 def load(name_or_path, args, device):
