@@ -152,7 +152,7 @@ def main(args):
         if finished():
             break
     log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
-    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:

@@ -219,7 +219,7 @@ def main(args):
             break
     log.info(f"reward margin: before {first['margin']:+.4f} -> after {metrics['margin']:+.4f}; "
              f"accuracy {first['acc']:.4f} -> {metrics['acc']:.4f}")
-    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save (a plain HF causal-LM folder)
     if args.output_dir is not None:

@@ -184,7 +184,7 @@ def main(args):
         if args.max_steps and step >= args.max_steps:
             break
     log.info(f"accuracy: before {first['acc']:.4f} -> after {metrics['acc']:.4f}")
-    check_steps_ran("optimizer step", resumed["step"] if resumed else 0, step, total_steps, [model])
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:

@@ -685,7 +685,6 @@ def main(args):
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)
     progress = Progress.from_checkpoint(ckpt.resume(engines))
-    first_rl_step = progress.rl_step
 
     # ---- train: generate -> score -> collect a round -> advantages -> optimise
     ppo = config.ppo
@@ -721,10 +720,9 @@ def main(args):
         ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
 
     # ---- summary and save (not when no RL step ran: the models would be their inputs)
-    check_steps_ran("RL step", first_rl_step, progress.rl_step, rl_steps, [engine.actor, engine.critic],
+    check_steps_ran("RL step", progress.rl_step, rl_steps, [engine.actor, engine.critic],
                     why=f"{progress.dropped_total} answers had ≤ 1 token and were dropped"
-                        + (", and --dynamic_sampling found no group with different scores" if ppo.dynamic_sampling
-                           else ""))
+                    + (", and --dynamic_sampling found no group with different scores" if ppo.dynamic_sampling else ""))
     ref_unchanged = None if engine.ref is None else \
         parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = summarize_run(log, progress, ref_unchanged)

@@ -171,18 +171,17 @@ def schedule_note(lr_scheduler_type: str, num_warmup_steps: int, total_steps: in
     return None
 
 
-def check_steps_ran(what: str, steps_before: int, steps_after: int, steps_planned: int, engines=(),
-                    why: str = "") -> None:
-    """After training, before saving (every step): refuse a run in which no optimizer step changed the model.
+def check_steps_ran(what: str, steps: int, steps_planned: int, engines=(), why: str = "") -> None:
+    """After training, before saving (every step): refuse a model no optimizer step has changed.
 
-    ``steps_before`` / ``steps_after``: the run's step counter when it started (a resumed run: its checkpoint's) and
-    now; ``steps_planned``: where it should have got to. No step although some were due (step 3: every answer
-    dropped, ``why`` says so), or every step of the run skipped by the fp16 loss scaler (DeepSpeed counts a skipped
-    step as a step: ``engines``' ``skipped_steps``) leaves the input model, which must not be saved as a result.
+    ``steps``: the run's step counter now (a resumed run's includes its checkpoint's steps: that model was
+    trained); ``steps_planned``: the steps it was to make. None although some were due (step 3: every answer
+    dropped, ``why`` says so), or every step skipped by the fp16 loss scaler (DeepSpeed counts a skipped step as a
+    step: ``engines``' ``skipped_steps``), leaves the input model, which must not be saved as a result.
     """
     from utils.errors import TrainingDiverged, UserInputError
 
-    if steps_after == steps_before and steps_before < steps_planned:
+    if steps == 0 < steps_planned:
         raise UserInputError(f"no {what} ran{f' ({why})' if why else ''}: the model is unchanged, so nothing is "
                              "saved")
     for engine in engines:
