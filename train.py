@@ -22,6 +22,11 @@ step's ``training.log``.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import dataclasses
 import datetime
@@ -36,9 +41,10 @@ from dataclasses import dataclass, field
 
 from step3_rlhf_finetuning.algorithms import run_title  # the config and specs are pure: no torch
 from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
-from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args  # these are pure: no torch import
+from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args, positive_int  # pure: no torch
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
 from utils.run_folder import RUN_LOG, RunFolder
+from utils.files import machine_write_failure_line
 from utils.preflight import check_output_dir_writable
 from utils.launch import deepspeed_launcher, free_port
 from utils.model.tiny import CONFIGS as BUILTIN_MODELS
@@ -169,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Results go to {output}/actor-models/, reward-models/, step3-models/.")
     p.add_argument("--deployment-type", default="single_gpu", choices=("single_gpu", "single_node", "multi_node"),
                    help="One GPU (CPU when there is none), all GPUs of this node, or several nodes (--hostfile).")
-    p.add_argument("--num-gpus", type=int, default=None,
+    p.add_argument("--num-gpus", type=positive_int, default=None,
                    help="single_node: GPUs to use (default: all).")
     p.add_argument("--cpu-ranks", type=cpu_ranks, default=1,
                    help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
@@ -211,6 +217,12 @@ def parse_args(argv=None):
             shlex.split(getattr(args, name))
         except ValueError as e:  # e.g. "No closing quotation"
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: {e}")
+    if args.cpu_ranks > 1 and args.deployment_type != "single_node":
+        parser.error(f"--cpu-ranks {args.cpu_ranks} would not be used: CPU ranks are --deployment-type single_node's "
+                     f"(got {args.deployment_type})")
+    if args.num_gpus is not None and args.deployment_type != "single_node":
+        parser.error(f"--num-gpus {args.num_gpus} would not be used: it is --deployment-type single_node's (got "
+                     f"{args.deployment_type}: {'one GPU' if args.deployment_type == 'single_gpu' else '--hostfile'})")
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
     args.hostfile = os.path.abspath(args.hostfile)  # the steps run in the repository folder
@@ -766,9 +778,21 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
+    from utils.interrupt import raise_on_ctrl_c
+
     try:
+        raise_on_ctrl_c()  # the plan starts: Ctrl-C is handled below and in run_logged
         sys.exit(main(parse_args()))
     except KeyboardInterrupt:  # between steps (a running step is handled in run_logged)
         print("\ninterrupted between steps; the steps reported as finished are complete (rerun the others "
               "with --step)", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
+    except UserInputError as e:  # e.g. the summary could not be written
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
+    except Exception as e:  # a full disk writing training.log or the summary: one line, not a traceback
+        line = machine_write_failure_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)

@@ -41,7 +41,7 @@ def run_cell(name: str, actor: str, critic: str, stage: int, lora: int, hybrid: 
            "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
            "--max_prompt_seq_len", "16", "--max_answer_seq_len", "16", "--seed", "1234",
            "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage),
-           "--actor_lora_dim", str(lora), "--actor_lora_module_name", LORA_MODULES[name],
+           "--actor_lora_dim", str(lora), *(["--actor_lora_module_name", LORA_MODULES[name]] if lora else []),
            *(["--enable_hybrid_engine"] if hybrid else [])]
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -15,6 +15,11 @@ would not fit), and the format used is said once on stderr. Type ``clear`` to fo
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import os
 import sys
@@ -23,7 +28,7 @@ TURN = " Human: {text} Assistant:"
 
 
 def parse_args(argv=None):
-    from utils.arguments import DTYPES, HelpFormatter, add_chat_template_arg, add_sampling_args
+    from utils.arguments import DTYPES, HelpFormatter, add_chat_template_arg, add_sampling_args, seed_int
 
     p = argparse.ArgumentParser(description="Chat with a trained actor model (Human/Assistant turns).",
                                 formatter_class=HelpFormatter)
@@ -32,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens per answer.")
     add_chat_template_arg(p, auto=True)
     add_sampling_args(p, do_sample_help="Sample instead of greedy decoding.")
-    p.add_argument("--seed", type=int, default=42, help="Random seed (sampling).")
+    p.add_argument("--seed", type=seed_int, default=42, help="Random seed (sampling).")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available, else cpu).")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES,
                    help="Weights' precision; auto = as saved on a GPU (a bf16-trained actor stays bf16: fp16 can "
@@ -105,7 +110,7 @@ class Chatbot:
 
     def _prompt_ids(self, prompt: str):
         """Token ids of ``prompt``; whole oldest turns are dropped until answer room remains."""
-        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 8)
+        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 1)  # validate(): room for one
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         while ids.shape[1] > budget and prompt.find(" Human:", 1) > 0:
             prompt = prompt[prompt.find(" Human:", 1):]
@@ -117,7 +122,7 @@ class Chatbot:
         until answer room remains."""
         import torch
 
-        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 8)
+        budget = max(self.max_positions - self.generate_kwargs["max_new_tokens"], 1)  # validate(): room for one
         ids = self.chat.prompt_ids(messages)
         while len(ids) > budget:
             first = next(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -184,33 +189,44 @@ def validate(args) -> None:
     """Bad flags and model folders as one clear error, before the model is loaded."""
     from utils.arguments import check_sampling_args
     from utils.errors import UserInputError
-    from utils.preflight import check_causal_lm_path
+    from utils.preflight import check_causal_lm_path, model_positions
 
     if args.max_new_tokens < 1:
         raise UserInputError(f"--max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
     check_sampling_args(args)
-    if args.device:
+    if args.device is not None:
         import torch
 
         try:
             device = torch.device(args.device)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise UserInputError(f"--device {args.device}: {e}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise UserInputError(f"--device {args.device}: chat runs on cpu or cuda[:N]")
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.type == "cuda" and (device.index or 0) >= gpus:
             raise UserInputError(f"--device {args.device}: this machine has {gpus} CUDA GPU(s); "
                                  "leave --device out to use what there is")
-    check_causal_lm_path("--path", actor_folder(args.path))
+        if device.type == "cpu" and device.index not in (None, 0):
+            raise UserInputError(f"--device {args.device}: a CPU has no index; use --device cpu")
+    if not args.path.strip():
+        raise UserInputError("--path is empty: give the model folder to chat with")
+    folder = check_causal_lm_path("--path", actor_folder(args.path))
+    positions = model_positions(folder)
+    if positions is not None and args.max_new_tokens >= positions:
+        raise UserInputError(f"--max_new_tokens {args.max_new_tokens} leaves no room for the question: the model at "
+                             f"--path has {positions} positions; use at most {positions - 1} (fewer for long "
+                             "conversations)")
 
 
 def main(args) -> None:
-    validate(args)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    transformers.set_seed(args.seed)
     try:
+        validate(args)
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        transformers.set_seed(args.seed)
         bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p,
                       args.top_k, args.dtype, args.apply_chat_template)
         print(bot.describe_format(), file=sys.stderr, flush=True)

@@ -10,6 +10,11 @@ perplexity after every epoch → save an HF folder. With ``--save_interval`` a r
 checkpoint is written every N optimizer steps; rerunning the command resumes from it
 (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import math
 import time
 
@@ -29,8 +34,8 @@ from utils.model.model_utils import create_hf_model, save_hf_format
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, load_tokenizer, make_engine,
-                            make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, load_tokenizer,
+                            make_engine, make_loaders, schedule_note, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -91,6 +96,8 @@ def run(args, folder):
     total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
                                         args.num_train_epochs, args.max_steps)
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
+        log.warning(note)
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
     ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
@@ -152,6 +159,7 @@ def run(args, folder):
         if finished():
             break
     log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:

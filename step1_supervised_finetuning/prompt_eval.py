@@ -16,6 +16,11 @@ model's answer ends at the template's end-of-turn token.
 compatibility with the reference's scripts, whose diverse-beam and contrastive
 searches are commented out (transformers >= 4.56 moved both out of the library).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 
 from utils.arguments import add_chat_template_arg
@@ -59,14 +64,17 @@ def parse_args(argv=None):
                         help="Fine-tuned model (e.g. step 1's --output_dir).")
     parser.add_argument("--num_beams", type=int, default=1,
                         help="> 1 also shows the fine-tuned model's beam search.")
-    parser.add_argument("--num_beam_groups", type=int, default=1, help="Accepted for compatibility (unused).")
-    parser.add_argument("--top_k", type=int, default=4, help="Accepted for compatibility (unused).")
-    parser.add_argument("--penalty_alpha", type=float, default=0.6, help="Accepted for compatibility (unused).")
+    parser.add_argument("--num_beam_groups", type=int, default=None,
+                        help="Accepted for compatibility; not used (said on stderr when given).")
+    parser.add_argument("--top_k", type=int, default=None,
+                        help="Accepted for compatibility; not used (said on stderr when given).")
+    parser.add_argument("--penalty_alpha", type=float, default=None,
+                        help="Accepted for compatibility; not used (said on stderr when given).")
     parser.add_argument("--num_return_sequences", type=int, default=1,
                         help="Sequences returned by the beam search (≤ --num_beams; greedy returns one).")
     parser.add_argument("--max_new_tokens", type=int, default=100, help="Tokens generated per prompt.")
-    parser.add_argument("--language", type=str, default="English", choices=sorted(PROMPTS),
-                        help="Language of the built-in prompts.")
+    parser.add_argument("--language", type=str, default=None, choices=sorted(PROMPTS),
+                        help="Language of the built-in prompts (default: English; not with --prompts).")
     parser.add_argument("--prompts", type=str, nargs="+", default=None,
                         help="Prompts to use instead of the built-in ones.")
     parser.add_argument("--add_eot_token", action="store_true",
@@ -77,12 +85,23 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+UNUSED_FLAGS = ("num_beam_groups", "top_k", "penalty_alpha")  # DeepSpeed-Chat's: its searches that used them are
+# commented out in its prompt_eval.py (transformers ≥ 4.56 moved both out of the library)
+
+
 def validate(args):
+    import sys
+
     from utils.errors import UserInputError
 
     for name in ("num_beams", "num_return_sequences", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise UserInputError(f"--{name} must be ≥ 1, got {getattr(args, name)}")
+    if args.prompts is not None and args.language is not None:
+        raise UserInputError(f"--language {args.language} would not be used: it chooses the built-in prompts, and "
+                             "--prompts replaces them; give one of them")
+    if args.add_eot_token and not args.eot_token.strip():
+        raise UserInputError("--add_eot_token needs a non-empty --eot_token")
     if args.num_return_sequences > args.num_beams:
         raise UserInputError(f"--num_return_sequences {args.num_return_sequences} needs --num_beams ≥ that "
                              f"(got --num_beams {args.num_beams}); greedy decoding returns one sequence")
@@ -92,6 +111,10 @@ def validate(args):
 
     for flag in ("--model_name_or_path_baseline", "--model_name_or_path_finetune"):  # one line, not a traceback
         check_causal_lm_path(flag, getattr(args, flag[2:]))
+    given = [f"--{name} {getattr(args, name)}" for name in UNUSED_FLAGS if getattr(args, name) is not None]
+    if given:  # accepted for DeepSpeed-Chat's scripts, never silently: named
+        print(f"note: {', '.join(given)} not used: this prompt_eval runs greedy and beam search only (DeepSpeed-Chat's "
+              "diverse-beam and contrastive searches are commented out in its own)", file=sys.stderr, flush=True)
 
 
 def load(name_or_path, args, device):
@@ -111,19 +134,34 @@ def load(name_or_path, args, device):
     return model.to(device).eval(), tokenizer, chat
 
 
+def prompt_ids(tokenizer, prompt: str, chat=None) -> list:
+    """The token ids a model is prompted with: in its chat template's format with ``chat``, else the text's."""
+    from utils.data.chat_template import dschat_messages
+
+    return chat.prompt_ids(dschat_messages(prompt)) if chat is not None else tokenizer(prompt).input_ids
+
+
+def check_room(flag: str, model, tokenizer, chat, prompts: list, max_new_tokens: int) -> None:
+    """Every prompt and ``max_new_tokens`` fit the model's positions (a learned position table fails with an
+    IndexError past its end): refused with the numbers before anything is generated."""
+    from utils.errors import UserInputError
+
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if not positions:
+        return
+    longest = max(len(prompt_ids(tokenizer, p, chat)) for p in prompts)
+    if longest + max_new_tokens > positions:
+        raise UserInputError(f"--max_new_tokens {max_new_tokens}: the longest prompt has {longest} tokens and {flag} "
+                             f"has {positions} positions, so at most {max(positions - longest, 0)} new tokens fit")
+
+
 def generate(model, tokenizer, prompt, device, max_new_tokens, num_beams=1, num_return_sequences=1, chat=None):
     """Decoded texts (prompt included, special tokens dropped) of a deterministic search; ``chat``: the prompt
     in that chat template's format (a :class:`~utils.data.chat_template.ChatFormat`)."""
     import torch
 
-    from utils.data.chat_template import dschat_messages
-
-    if chat is not None:
-        input_ids = torch.tensor([chat.prompt_ids(dschat_messages(prompt))], device=device)
-        stop = list(chat.stop_ids)
-    else:
-        input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-        stop = tokenizer.eos_token_id
+    input_ids = torch.tensor([prompt_ids(tokenizer, prompt, chat)], device=device)
+    stop = list(chat.stop_ids) if chat is not None else tokenizer.eos_token_id
     with torch.no_grad():
         ids = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              num_beams=num_beams, num_return_sequences=num_return_sequences,
@@ -146,7 +184,9 @@ def main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     baseline, baseline_tok, baseline_chat = load(args.model_name_or_path_baseline, args, device)
     finetune, finetune_tok, finetune_chat = load(args.model_name_or_path_finetune, args, device)
-    prompts = args.prompts or PROMPTS[args.language]
+    prompts = args.prompts or PROMPTS[args.language or "English"]
+    check_room("--model_name_or_path_baseline", baseline, baseline_tok, baseline_chat, prompts, args.max_new_tokens)
+    check_room("--model_name_or_path_finetune", finetune, finetune_tok, finetune_chat, prompts, args.max_new_tokens)
     outputs = []
     for prompt in prompts:
         base = generate(baseline, baseline_tok, prompt, device, args.max_new_tokens, chat=baseline_chat)

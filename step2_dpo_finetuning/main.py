@@ -17,6 +17,11 @@ result is a plain Hugging Face causal-LM folder: use it directly or as the step-
 With ``--save_interval`` a resumable checkpoint of the policy is written every N optimizer
 steps; rerunning the command resumes from it (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import time
 
 import torch
@@ -37,8 +42,9 @@ from utils.preflight import preflight
 from utils.model.lean_forward import pair_log_probs
 from utils.rl_math import dpo_loss
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, frozen_ds_config,
-                            load_tokenizer, make_engine, make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
+                            frozen_ds_config, load_tokenizer, make_engine, make_loaders, schedule_note, start_run,
+                            step_ds_config)
 
 
 def parse_args(argv=None):
@@ -161,6 +167,8 @@ def run(args, folder):
     total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
                                         args.num_train_epochs, args.max_steps)
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
+        log.warning(note)
     ref_model = make_engine(ref_model, ref_ds_config)
 
     def evaluate(step: int, when: str) -> dict:
@@ -218,6 +226,7 @@ def run(args, folder):
             break
     log.info(f"reward margin: before {first['margin']:+.4f} -> after {metrics['margin']:+.4f}; "
              f"accuracy {first['acc']:.4f} -> {metrics['acc']:.4f}")
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save (a plain HF causal-LM folder)
     if args.output_dir is not None:

@@ -15,6 +15,11 @@ in ``--output_dir``, written atomically: a failed run leaves the folder as it wa
 folder is the run's :class:`~utils.run_folder.RunFolder`: locked, and ``--overwrite`` replaces exactly what an
 earlier collection wrote (an old ``eval.jsonl`` included), nothing else.
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import math

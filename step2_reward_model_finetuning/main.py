@@ -11,6 +11,11 @@ steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`)
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import time
 
 import torch
@@ -29,8 +34,8 @@ from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.perf import throughput_due, throughput_line
 from utils.preflight import preflight
 from utils.runtime import to_device
-from utils.training import (OptimConfig, count_optimizer_steps, epoch_micro_batches, eval_batches, load_tokenizer,
-                            make_engine, make_loaders, start_run, step_ds_config)
+from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
+                            load_tokenizer, make_engine, make_loaders, schedule_note, start_run, step_ds_config)
 
 
 def parse_args(argv=None):
@@ -124,6 +129,8 @@ def run(args, folder):
     total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
                                         args.num_train_epochs, args.max_steps)
     model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
+        log.warning(note)
 
     def evaluate(step: int, when: str) -> dict:
         metrics = evaluate_reward(model, eval_loader, device, args.eval_iters)
@@ -183,6 +190,7 @@ def run(args, folder):
         if args.max_steps and step >= args.max_steps:
             break
     log.info(f"accuracy: before {first['acc']:.4f} -> after {metrics['acc']:.4f}")
+    check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:

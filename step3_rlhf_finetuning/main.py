@@ -21,6 +21,11 @@ With ``--save_interval N`` a resumable checkpoint is written every N RL steps (a
 engines, the EMA actor, RNG states, prompt position, reward EMA, history); rerunning the
 command resumes from it (:mod:`utils.checkpoint`; DeepSpeed-Chat has no step-3 resume).
 """
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import math
 import random
@@ -59,7 +64,8 @@ from utils.reward_functions import check_rows, load_reward_fn
 from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import answer_end_token, load_tokenizer, start_run
+from utils.training import (answer_end_token, check_steps_ran, load_tokenizer, refuse_no_optimizer_step, schedule_note,
+                            start_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +319,7 @@ def validate_step3(args) -> None:
         raise UserInputError("--only_optimize_lora needs --actor_lora_dim > 0 or --critic_lora_dim > 0")
     if args.unsupervised_dataset_config_name and not args.unsupervised_dataset_name:
         raise UserInputError("--unsupervised_dataset_config_name needs --unsupervised_dataset_name")
+    check_flags_apply(args)
     if not math.isfinite(args.unsup_coef):
         raise UserInputError(f"--unsup_coef must be finite, got {args.unsup_coef}")
     check_sampling_args(args)
@@ -324,6 +331,30 @@ def validate_step3(args) -> None:
         if getattr(args, name) > 1:
             raise UserInputError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
     validate_rl(args)
+
+
+# flags that act only together with another: (the flags, what they need, whether the run has it)
+DEPENDENT_FLAGS = (
+    (("unpin_actor_parameters", "release_inference_cache", "tp_gather_partition_size"), "--enable_hybrid_engine",
+     lambda args: args.enable_hybrid_engine),
+    (("print_answers_interval",), "--print_answers", lambda args: args.print_answers),
+    (("unsup_coef",), "--unsupervised_dataset_name", lambda args: bool(args.unsupervised_dataset_name)),
+)
+
+
+def check_flags_apply(args) -> None:
+    """A flag step 3 would not use in this run is refused, naming it, instead of being silently ignored: the shared
+    --max_seq_len (step 3's lengths are --max_prompt_seq_len and --max_answer_seq_len), and each of
+    :data:`DEPENDENT_FLAGS` without the flag it needs (``--preprocessing_num_workers``, accepted for DeepSpeed-Chat's
+    scripts, is named in the log instead: :func:`main`)."""
+    if _explicit(args, ["max_seq_len"]):
+        raise UserInputError(f"--max_seq_len {args.max_seq_len} would not be used: step 3's lengths are "
+                             "--max_prompt_seq_len and --max_answer_seq_len")
+    for names, needed, present in DEPENDENT_FLAGS:
+        unused = _explicit(args, names)
+        if unused and not present(args):
+            raise UserInputError(f"{', '.join(unused)} would not be used without {needed}; add it, or drop "
+                                 f"{'it' if len(unused) == 1 else 'them'}")
 
 
 def validate_flags(args) -> None:
@@ -368,6 +399,9 @@ def create_datasets(args, tokenizer, log):
     rl_steps = args.num_train_epochs * steps_per_epoch
     if args.max_steps:
         rl_steps = min(rl_steps, args.max_steps)
+    refuse_no_optimizer_step(rl_steps * micro_batches_per_round(args) * args.ppo_epochs, args.gradient_accumulation_steps,
+                             f"{rl_steps} RL step(s) × {micro_batches_per_round(args)} micro-batch(es) a round × "
+                             f"--ppo_epochs {args.ppo_epochs}, per rank")
     total_iters = max(1, math.ceil(rl_steps * micro_batches_per_round(args) * args.ppo_epochs
                                   / args.gradient_accumulation_steps))
     return prompts, prompt_loader, unsup_loader, rl_steps, total_iters
@@ -625,6 +659,9 @@ def run(args, folder):
     device, log = start_run(args, "step3_model")
     tokenizer = load_tokenizer(args, args.actor_model_name_or_path)
     config = Step3Config.from_args(args, answer_end_token(args, tokenizer, args.actor_model_name_or_path))
+    if args.preprocessing_num_workers is not None:
+        log.warning(f"--preprocessing_num_workers {args.preprocessing_num_workers} is not used: tokenisation here "
+                    "is one batched pass (accepted for DeepSpeed-Chat's scripts)")
     if args.align_overflow and not config.ppo.align_overflow:
         log.warning(f"--align_overflow only matters with --dtype fp16 (now {args.dtype}); ignored")
 
@@ -632,6 +669,8 @@ def run(args, folder):
     prompts, prompt_loader, unsup_loader, rl_steps, total_iters = create_datasets(args, tokenizer, log)
     if args.reward_fn:
         check_rows(args.reward_fn, [s["prompt"] for s in prompts.samples], [s["row"] for s in prompts.samples])
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_iters):
+        log.warning(note)
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
     on_policy = old_logprobs_from_training_pass(config.ppo, micro_batches_per_round(args), config.engine.actor.grad_accum,
                                                 has_dropout(engine.actor.module))
@@ -683,7 +722,10 @@ def run(args, folder):
         report_step(log, progress, rollout, losses, time.time() - train_start, context)
         ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
 
-    # ---- summary and save
+    # ---- summary and save (not when no RL step ran: the models would be their inputs)
+    check_steps_ran("RL step", progress.rl_step, rl_steps, [engine.actor, engine.critic],
+                    why=f"{progress.dropped_total} answers had ≤ 1 token and were dropped"
+                    + (", and --dynamic_sampling found no group with different scores" if ppo.dynamic_sampling else ""))
     ref_unchanged = None if engine.ref is None else \
         parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = summarize_run(log, progress, ref_unchanged)

@@ -210,15 +210,25 @@ def add_sampling_args(group, do_sample_help: str = "Sample answers (exploration)
     group.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off; with --do_sample).")
 
 
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
 def check_sampling_args(args) -> None:
-    """With ``--do_sample``: a finite temperature > 0, 0 < top-p ≤ 1, top-k ≥ 0 (0 = off)."""
+    """A finite ``--temperature`` > 0, 0 < ``--top_p`` ≤ 1, ``--top_k`` ≥ 0 (0 = off); and without ``--do_sample``
+    (greedy decoding) none of them changed: it would not be used."""
     import math
 
     from utils.errors import UserInputError
 
-    if args.do_sample and not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1
-                               and args.top_k >= 0):
-        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0")
+    if not (math.isfinite(args.temperature) and args.temperature > 0 and 0 < args.top_p <= 1 and args.top_k >= 0):
+        raise UserInputError("sampling needs --temperature > 0, 0 < --top_p ≤ 1 and --top_k ≥ 0 (got --temperature "
+                             f"{args.temperature}, --top_p {args.top_p}, --top_k {args.top_k})")
+    if not args.do_sample:
+        unused = [f"--{name} {getattr(args, name)}" for name, default in SAMPLING_DEFAULTS.items()
+                  if getattr(args, name) != default]
+        if unused:
+            raise UserInputError(f"{', '.join(unused)} would not be used: without --do_sample answers are greedy "
+                                 f"(add --do_sample, or drop {'it' if len(unused) == 1 else 'them'})")
 
 
 def add_offload_reference_arg(group) -> None:
@@ -282,30 +292,64 @@ def validate_checkpoint_args(args) -> None:
             raise UserInputError(f"--resume: no checkpoint in {root} (drop --resume to start a fresh run)")
 
 
-def check_number_flags(args) -> None:
-    """Every learning rate finite and > 0, LoRA ranks ≥ 0, weight decays finite ≥ 0, dropouts in [0, 1).
-
-    Found by name (``--learning_rate``, ``--actor_lora_dim``, ``--critic_dropout`` …), so step 3's
-    per-role flags are covered too. A negative LoRA rank would silently train without LoRA;
-    a negative or NaN learning rate would fail deep inside the optimizer.
-    """
+# The meaningful range of every numeric flag, declared once: (how the flag's name matches, the test, what the
+# error says after "--NAME must be "). A flag is found by its exact name or, for "*suffix", by its name's end, so
+# step 3's per-role flags (--actor_learning_rate, --critic_dropout …) and every entry point share one table;
+# check_number_flags applies it (None, a flag's "not given", is always accepted).
+def _finite(v):
     import math
 
+    return math.isfinite(v)
+
+
+NUMBER_RANGES = (
+    ("*learning_rate", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("*lora_dim", lambda v: v >= 0, "≥ 0 (0 = no LoRA)"),
+    ("*weight_decay", lambda v: _finite(v) and v >= 0, "a finite number ≥ 0"),
+    ("eval_iters", lambda v: v >= 0, "≥ 0 (0 = the whole eval split)"),
+    ("eval_interval", lambda v: v >= 0, "≥ 0 (0 = only before training and after each epoch)"),
+    ("num_warmup_steps", lambda v: v >= 0, "≥ 0"),
+    ("*dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("unsup_coef", lambda v: _finite(v) and v >= 0, "a finite number ≥ 0 (0 = no LM loss)"),
+    ("clip_reward_value", lambda v: _finite(v) and v > 0, "a finite number > 0 (scores are clipped to ±it: 0 would "
+                                                            "make every reward 0)"),
+    ("tp_gather_partition_size", lambda v: v >= 1, "≥ 1"),
+    ("beta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("preprocessing_num_workers", lambda v: v >= 1, "≥ 1"),
+)
+
+
+def check_number_flags(args) -> None:
+    """Every numeric flag of :data:`NUMBER_RANGES` within its range: one :class:`UserInputError` line naming the
+    flag and the value otherwise. A negative LoRA rank would silently train without LoRA; a negative or NaN
+    learning rate would fail deep inside the optimizer; a negative --eval_interval evaluates every step.
+    """
     from utils.errors import UserInputError
 
     for name, value in sorted(vars(args).items()):
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        if name.endswith("learning_rate") and not (math.isfinite(value) and value > 0):
-            raise UserInputError(f"--{name} must be a finite number > 0, got {value}")
-        if name.endswith("lora_dim") and value < 0:
-            raise UserInputError(f"--{name} must be ≥ 0 (0 = no LoRA), got {value}")
-        if name.endswith("weight_decay") and not (math.isfinite(value) and value >= 0):
-            raise UserInputError(f"--{name} must be a finite number ≥ 0, got {value}")
-        if name == "eval_iters" and value < 0:
-            raise UserInputError(f"--eval_iters must be ≥ 0 (0 = the whole eval split), got {value}")
-        if name.endswith("dropout") and not (0 <= value < 1):
-            raise UserInputError(f"--{name} must be in [0, 1), got {value}")
+        for pattern, ok, meaning in NUMBER_RANGES:
+            if (name.endswith(pattern[1:]) if pattern.startswith("*") else name == pattern) and not ok(value):
+                raise UserInputError(f"--{name} must be {meaning}, got {value}")
+
+
+LORA_DEFAULTS = {"lora_module_name": "decoder.layers.", "lora_learning_rate": 5e-4}
+
+
+def check_lora_flags_apply(args) -> None:
+    """``--lora_module_name`` / ``--lora_learning_rate`` (step 3: each role's) act only with a LoRA rank > 0: set
+    without one, they would be silently ignored."""
+    from utils.errors import UserInputError
+
+    for role in ("", "actor_", "critic_"):
+        if getattr(args, f"{role}lora_dim", None) != 0:
+            continue
+        unused = [f"--{role}{name}" for name, default in LORA_DEFAULTS.items()
+                  if getattr(args, f"{role}{name}", default) != default]
+        if unused:
+            raise UserInputError(f"{', '.join(unused)} would not be used: --{role}lora_dim is 0 (no LoRA); give "
+                                 f"--{role}lora_dim > 0, or drop {'it' if len(unused) == 1 else 'them'}")
 
 
 def validate_common(args) -> None:
@@ -330,6 +374,9 @@ def validate_common(args) -> None:
     if getattr(args, "max_steps", 0) < 0:
         raise UserInputError(f"--max_steps must be ≥ 0 (0 = no limit), got {args.max_steps}")
     check_number_flags(args)
+    if getattr(args, "add_eot_token", False) and not args.eot_token.strip():
+        raise UserInputError("--add_eot_token needs a non-empty --eot_token")
+    check_lora_flags_apply(args)
     if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 1) <= 0:
         raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
     if getattr(args, "output_dir", "x") is None:

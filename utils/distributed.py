@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -42,46 +43,134 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def torch_extensions_root() -> str:
+    """Where torch builds C++ extensions (and DeepSpeed JIT-compiles its ops), resolved as torch's own
+    ``cpp_extension._get_build_directory`` does: ``$TORCH_EXTENSIONS_DIR`` when set (each op in ``<it>/<op>``),
+    else :func:`~torch.utils.cpp_extension.get_default_build_root` (``~/.cache/torch_extensions``, each op in
+    ``<it>/py<XY>_<accelerator>/<op>``). Creates nothing (torch's own function creates the op's folder)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return get_default_build_root() if root is None else root
+
+
+def _build_lock_in_use(lock: str) -> bool:
+    """Does a live process own build lock ``lock``? torch's ``FileBaton`` keeps the file open from its creation to
+    its removal, so its owner holds a descriptor on it; a compile it started (ninja, the compilers) works in the
+    lock's folder. Either counts as alive. Without a readable ``/proc`` nothing can be told: alive."""
+    import glob
+
+    if not os.path.isdir("/proc/self/fd"):
+        return True
+    lock = os.path.realpath(lock)
+    folder = os.path.dirname(lock)
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            cwd = os.path.realpath(os.readlink(os.path.join(proc, "cwd")))
+            if cwd == folder or cwd.startswith(folder + os.sep):
+                return True
+        except OSError:
+            pass
+        try:
+            fds = os.listdir(os.path.join(proc, "fd"))
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(os.path.join(proc, "fd", fd)) == lock:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _remove_if_stale(lock: str, min_age_s: float, log=None, why: str = "a compile killed before it finished") -> bool:
+    """Remove ``lock`` when it is older than ``min_age_s`` and no live process owns it (checked twice, a moment
+    apart, on the same file: an owner releasing it closes it just before deleting it); True if removed."""
+    import time
+
+    try:
+        first = os.stat(lock)
+    except OSError:
+        return False
+    if time.time() - first.st_mtime <= min_age_s or _build_lock_in_use(lock):
+        return False
+    time.sleep(0.2)
+    try:
+        again = os.stat(lock)
+        if (again.st_ino, again.st_dev) != (first.st_ino, first.st_dev) or _build_lock_in_use(lock):
+            return False
+        os.remove(lock)
+    except OSError:
+        return False
+    (log or print)(f"removed a stale build lock {lock} ({why})")
+    return True
+
+
 def clear_stale_extension_locks(root: str | None = None, min_age_s: float = 30.0, log=None) -> list:
     """Remove build locks a killed compile left in the torch-extensions cache; returns their paths.
 
-    DeepSpeed JIT-compiles its ops (on the CPU: the shared-memory op, at start-up) under a ``lock`` file
-    that the compiling process deletes when it is done; killed in between, it leaves the file, and every
-    later run waits for it forever, silently. A lock counts as stale when it is older than ``min_age_s``
-    and no process works in its build folder (a live compile runs ninja and the compilers there).
-    ``root``: the cache (default: torch's, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``).
+    DeepSpeed JIT-compiles its ops (on the CPU: the shared-memory op, at start-up; ``cpu_adam`` with
+    ``--offload``; fused optimizers on a GPU) under a ``lock`` file that the compiling process deletes when it is
+    done; killed in between, it leaves the file, and every later run waits for it forever, silently. A lock
+    counts as stale when it is older than ``min_age_s`` and no live process owns it (:func:`_build_lock_in_use`).
+    ``root``: the cache (default: torch's, :func:`torch_extensions_root`).
     """
     import glob
+
+    root = torch_extensions_root() if root is None else root
+    locks = glob.glob(os.path.join(glob.escape(root), "*", "lock")) + \
+        glob.glob(os.path.join(glob.escape(root), "*", "*", "lock"))
+    return [lock for lock in locks if _remove_if_stale(lock, min_age_s, log)]
+
+
+class _BuildLockTakenOver(Exception):
+    """Raised inside torch's wait for a build lock whose owner died: the build is started again."""
+
+
+_GUARD = {"installed": False, "check_every_s": 5.0}
+_WAITING = threading.local()  # inside a guarded torch JIT build (this thread)
+
+
+def guard_build_locks(log=None) -> None:
+    """Make torch's JIT builds (DeepSpeed's ops) never wait forever on a dead owner's lock: while a build waits
+    for another process's ``lock`` (torch's ``FileBaton.wait`` polls until the file is gone), every few seconds
+    the lock is checked; once its owner is dead (:func:`_build_lock_in_use`) it is removed, with one line, and the
+    build starts again here (torch's ``_jit_compile`` retried). Installed once per process; idempotent."""
     import time
 
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils import cpp_extension, file_baton
 
-        root = get_default_build_root()
-    locks = glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))
-    if not locks:
-        return []
-    busy = set()
-    for cwd in glob.glob("/proc/[0-9]*/cwd"):
+    if _GUARD["installed"]:
+        return
+    original_wait, original_jit = file_baton.FileBaton.wait, cpp_extension._jit_compile
+
+    def wait(self) -> None:
+        if not getattr(_WAITING, "active", False):
+            return original_wait(self)
+        checked = time.monotonic()
+        while os.path.exists(self.lock_file_path):
+            time.sleep(self.wait_seconds)
+            if time.monotonic() - checked >= _GUARD["check_every_s"]:
+                checked = time.monotonic()
+                if _remove_if_stale(self.lock_file_path, 0.0, log, "its compile died while this run waited"):
+                    raise _BuildLockTakenOver(self.lock_file_path)
+
+    def jit_compile(*args, **kwargs):
+        outer = getattr(_WAITING, "active", False)
+        _WAITING.active = True
         try:
-            busy.add(os.path.realpath(os.readlink(cwd)))
-        except OSError:
-            continue
-    cleared = []
-    for lock in locks:
-        folder = os.path.realpath(os.path.dirname(lock))
-        try:
-            old = time.time() - os.path.getmtime(lock) > min_age_s
-        except OSError:
-            continue
-        if old and not any(path == folder or path.startswith(folder + os.sep) for path in busy):
-            try:
-                os.remove(lock)
-            except OSError:
-                continue
-            cleared.append(lock)
-            (log or print)(f"removed a stale build lock {lock} (a compile killed before it finished)")
-    return cleared
+            while True:
+                try:
+                    return original_jit(*args, **kwargs)
+                except _BuildLockTakenOver:
+                    continue  # the dead owner's lock is gone: this process builds the op itself
+        finally:
+            _WAITING.active = outer
+
+    file_baton.FileBaton.wait = wait
+    cpp_extension._jit_compile = jit_compile
+    _GUARD["installed"] = True
 
 
 def init_distributed(args) -> torch.device:
@@ -100,11 +189,14 @@ def init_distributed(args) -> torch.device:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     args.local_rank = int(os.environ.get("LOCAL_RANK", max(getattr(args, "local_rank", 0), 0)))
     accelerator = get_accelerator()
+    # DeepSpeed JIT-compiles ops (the CPU shared-memory op now, cpu_adam / fused optimizers at the engines' set-up):
+    # a lock a killed build left is removed, and one whose owner dies while we wait is taken over then
+    guard_build_locks()
+    if args.local_rank <= 0:
+        clear_stale_extension_locks()
     if accelerator.device_name() == "cpu":
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             skip_shm_op()
-        elif args.local_rank == 0:  # DeepSpeed builds its shared-memory op now: a killed build must not hang us
-            clear_stale_extension_locks()
         deepspeed.init_distributed(dist_backend="gloo")
         atexit.register(_remove_shm_buffer)
         device = torch.device("cpu")

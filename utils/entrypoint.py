@@ -37,21 +37,34 @@ def out_of_memory_message(e: BaseException) -> str:
 
 
 def run_main(main: Callable, args) -> None:
-    """Run an entry point: bad input ends with one clear line and exit code 2, divergence with exit code 3,
-    running out of GPU memory with one line naming the remedies and exit code 4, Ctrl-C with one line
-    saying where the run stopped and how to resume, exit code 130. What the output folder does on each
-    (``--overwrite``'s earlier run put back, or named as gone) is the run's :class:`~utils.run_folder.RunFolder`'s
-    business, inside ``main``."""
+    """Run an entry point: bad input ends with one clear line and exit code 2 (so does a full disk, from any
+    writer), divergence with exit code 3, running out of GPU memory with one line naming the remedies and exit
+    code 4, Ctrl-C with one line saying where the run stopped and how to resume, exit code 130 (before this,
+    :func:`utils.interrupt.exit_quietly_on_ctrl_c` covers the imports and the parsing of the flags). What the
+    output folder does on each (``--overwrite``'s earlier run put back, or named as gone) is the run's
+    :class:`~utils.run_folder.RunFolder`'s business, inside ``main``."""
     import signal
 
+    from utils.files import machine_write_failure_line
+    from utils.interrupt import ENDED, exit_quietly_on_ctrl_c, raise_on_ctrl_c
+
     try:
+        entry_script = raise_on_ctrl_c()  # the run starts: Ctrl-C now says where it stopped
         main(args)
+        if entry_script:
+            exit_quietly_on_ctrl_c(ENDED)  # the interpreter's shutdown: no traceback from an atexit handler
     except (UserInputError, TrainingDiverged) as e:
         print(error_line(e), file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT if isinstance(e, UserInputError) else DIVERGED)
     except torch.OutOfMemoryError as e:
         print(error_line(e, out_of_memory_message(e)), file=sys.stderr, flush=True)
         sys.exit(OUT_OF_MEMORY)
+    except Exception as e:  # the machine's state from any writer (a full disk…): one line, not a traceback
+        line = machine_write_failure_line(e)
+        if line is None:
+            raise
+        print(error_line(e, line), file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
         if get_rank() == 0:

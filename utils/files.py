@@ -3,6 +3,7 @@ helpers they (and the training checkpoints, :mod:`utils.checkpoint`) use."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -50,17 +51,76 @@ def atomic_write_text(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+# errno values of a write the machine refuses, not a bug: the disk or quota full, a file-size limit, a read-only
+# file system
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+# what libraries raise instead of an OSError when the file system refuses a write: torch's zip writer
+# (PytorchStreamWriter, inline_container.cc), torch's C++ ofstream ("basic_ios::clear: iostream error", e.g. a
+# torch.save that hits a full disk), safetensors' "I/O error"
+_WRAPPED_WRITE_FAILURES = ("PytorchStreamWriter failed", "inline_container", "basic_ios::clear", "iostream error",
+                           "file write failed")
+
+
 def is_write_failure(e: BaseException) -> bool:
     """Is ``e`` the file system refusing a write (disk full, quota, file-size limit, read-only)?
 
-    An :class:`OSError`, or the wrappers that torch's zip writer and safetensors put around one.
+    An :class:`OSError` (inside a write, any: the caller knows it was writing), or the wrappers that torch's
+    zip and stream writers and safetensors put around one.
     """
     if isinstance(e, OSError):
         return True
     text = str(e)
     if type(e).__name__ == "SafetensorError":
         return "I/O error" in text
-    return isinstance(e, RuntimeError) and ("PytorchStreamWriter failed" in text or "inline_container" in text)
+    return isinstance(e, RuntimeError) and any(marker in text for marker in _WRAPPED_WRITE_FAILURES)
+
+
+def machine_write_failure(e: BaseException) -> BaseException | None:
+    """The disk-full-like failure behind ``e`` (itself, or its cause or context), or None: for code that may fail
+    in other ways too (an entry point's last resort, :func:`utils.entrypoint.run_main`), so only an OSError whose
+    errno is in :data:`DISK_ERRNOS`, or a library's wrapper of a failed write, counts."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS or not isinstance(e, OSError) and is_write_failure(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_failure_reason(e: BaseException) -> str:
+    """One short reason for a write failure: the OSError's text, or the first line of a library's message."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+def machine_write_failure_line(e: BaseException) -> str | None:
+    """The one line an entry point ends with when ``e`` is (or hides) a full disk or the like
+    (:func:`machine_write_failure`), else None."""
+    failure = machine_write_failure(e)
+    if failure is None:
+        return None
+    path = getattr(failure, "filename", None)
+    return (f"cannot write{f' {path}' if path else ''}: {write_failure_reason(failure)} (disk full, quota or "
+            "read-only file system?)")
+
+
+@contextlib.contextmanager
+def writing(what: str, path: str):
+    """Turn a write failure inside the block (a full disk, a read-only folder…) into one
+    :class:`UserInputError` line naming ``what`` and ``path``, for writers that do not go through
+    :func:`atomic_write` / :func:`atomic_directory`."""
+    try:
+        yield
+    except UserInputError:
+        raise
+    except Exception as e:
+        if not is_write_failure(e):
+            raise
+        raise UserInputError(f"cannot write {what} {path}: {write_failure_reason(e)} (disk full, quota or read-only "
+                             "file system?)") from None
 
 
 def atomic_write(path: str, write, what: str = "file") -> None:
@@ -75,9 +135,8 @@ def atomic_write(path: str, write, what: str = "file") -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if is_write_failure(e):
-            reason = getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
-            raise UserInputError(f"cannot write {what} {path}: {reason} (disk full, quota or read-only file "
-                                 "system?)") from None
+            raise UserInputError(f"cannot write {what} {path}: {write_failure_reason(e)} (disk full, quota or "
+                                 "read-only file system?)") from None
         raise
 
 
@@ -119,8 +178,8 @@ def atomic_directory(out_dir: str):
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_write_failure(e):
-            raise UserInputError(f"cannot write output folder {out_dir}: {e} (disk full, quota or read-only "
-                                 "file system?)") from e
+            raise UserInputError(f"cannot write output folder {out_dir}: {write_failure_reason(e)} (disk full, "
+                                 "quota or read-only file system?)") from e
         raise
 
 

@@ -21,6 +21,8 @@ import json
 import math
 import os
 
+from utils.files import writing
+
 # Accepted spellings of each quantity (the first one found in a row wins).
 ALIASES = {
     "loss": ("loss", "train_loss"),
@@ -353,8 +355,10 @@ def write_summary(output_dir: str, folders: dict, times: dict, heldout: dict | N
     json_path = os.path.join(output_dir, "summary.json")
     png_path = os.path.join(output_dir, "training_curves.png")
     summary["curves_png"] = png_path
-    os.makedirs(output_dir, exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(summary, f, indent=2)
-    plot_curves(folders, png_path, heldout, step3_algorithm)
+    with writing("the run's summary", json_path):
+        os.makedirs(output_dir, exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    with writing("the training curves", png_path):
+        plot_curves(folders, png_path, heldout, step3_algorithm)
     return f"{format_table(summary)}\n\nsummary: {json_path}\ncurves:  {png_path}"

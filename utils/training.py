@@ -7,7 +7,8 @@ Steps 1, 2 and DPO and step 3's engines are built from these pieces:
   and :func:`frozen_stage`, the one rule for a frozen copy's ZeRO stage;
 - :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader, and
   :func:`epoch_micro_batches`, one epoch of the first (resuming mid-epoch);
-- :func:`count_optimizer_steps`: the length of the learning-rate schedule;
+- :func:`count_optimizer_steps`: the length of the learning-rate schedule, and the shared checks that a run makes
+  an optimizer step (:func:`refuse_no_optimizer_step` up front, :func:`check_steps_ran` before saving);
 - :class:`OptimConfig` and :func:`make_engine`: optimizer, schedule and ``deepspeed.initialize``.
 
 LoRA is applied with :func:`utils.lora.apply_lora`; saving gathers with
@@ -133,21 +134,62 @@ def eval_batches(loader, eval_iters: int):
     return itertools.islice(loader, eval_iters or None)
 
 
+def refuse_no_optimizer_step(micro_batches: int, grad_accum: int, how: str) -> None:
+    """The one up-front check of every step (1, 2, DPO, 3): a run of ``micro_batches`` micro-batches (``how``
+    they come about, for the message) with ``grad_accum`` of them per optimizer step must make at least one;
+    otherwise :class:`~utils.errors.UserInputError`, with the numbers: the "trained" model would be its input."""
+    from utils.errors import UserInputError
+
+    if micro_batches < grad_accum:
+        raise UserInputError(f"--gradient_accumulation_steps {grad_accum} needs {grad_accum} micro-batches per "
+                             f"optimizer step, but the run has {micro_batches} ({how}): no optimizer step would run; "
+                             "lower it, or the batch size, or add data or epochs")
+
+
 def count_optimizer_steps(micro_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: int = 0) -> int:
     """Optimizer steps of a run (the schedule's length): whole epochs, capped by ``max_steps`` (0 = no cap).
 
-    Refuses (:class:`~utils.errors.UserInputError`) a run with fewer micro-batches than one accumulation needs:
-    no optimizer step would run and the "trained" model would be its input.
+    Refuses (:func:`refuse_no_optimizer_step`) a run with fewer micro-batches than one accumulation needs.
     """
-    from utils.errors import UserInputError
-
-    if micro_batches_per_epoch * epochs < grad_accum:
-        raise UserInputError(f"--gradient_accumulation_steps {grad_accum} needs {grad_accum} micro-batches per "
-                             f"optimizer step, but the run has {micro_batches_per_epoch * epochs} ({epochs} epoch(s) "
-                             f"of {micro_batches_per_epoch} per rank): no optimizer step would run; lower it, or "
-                             "the batch size, or add data or epochs")
+    refuse_no_optimizer_step(micro_batches_per_epoch * epochs, grad_accum,
+                             f"{epochs} epoch(s) of {micro_batches_per_epoch} per rank")
     total = epochs * math.ceil(micro_batches_per_epoch / grad_accum)
     return min(total, max_steps) if max_steps else total
+
+
+def schedule_note(lr_scheduler_type: str, num_warmup_steps: int, total_steps: int) -> str | None:
+    """What the run's learning-rate schedule does with ``--num_warmup_steps`` when that is not what the flag
+    suggests (a warm-up longer than the run; a warm-up the constant schedule ignores), with the numbers; else
+    None. Every step logs it as a warning (DeepSpeed-Chat's step 3 warms up for 100 steps: a short run never
+    reaches its learning rate)."""
+    if num_warmup_steps and lr_scheduler_type == "constant":
+        return (f"--num_warmup_steps {num_warmup_steps} is not used: --lr_scheduler_type constant has no warm-up "
+                "(constant_with_warmup has)")
+    if lr_scheduler_type != "constant" and num_warmup_steps > total_steps > 0:
+        return (f"--num_warmup_steps {num_warmup_steps} is more than the run's {total_steps} optimizer steps: the "
+                f"learning rate rises the whole run and ends at {total_steps / num_warmup_steps:.0%} of its peak")
+    return None
+
+
+def check_steps_ran(what: str, steps: int, steps_planned: int, engines=(), why: str = "") -> None:
+    """After training, before saving (every step): refuse a model no optimizer step has changed.
+
+    ``steps``: the run's step counter now (a resumed run's includes its checkpoint's steps: that model was
+    trained); ``steps_planned``: the steps it was to make. None although some were due (step 3: every answer
+    dropped, ``why`` says so), or every step skipped by the fp16 loss scaler (DeepSpeed counts a skipped step as a
+    step: ``engines``' ``skipped_steps``), leaves the input model, which must not be saved as a result.
+    """
+    from utils.errors import TrainingDiverged, UserInputError
+
+    if steps == 0 < steps_planned:
+        raise UserInputError(f"no {what} ran{f' ({why})' if why else ''}: the model is unchanged, so nothing is "
+                             "saved")
+    for engine in engines:
+        steps, skipped = getattr(engine, "global_steps", 0), getattr(engine, "skipped_steps", 0)
+        if isinstance(steps, int) and isinstance(skipped, int) and steps > 0 and skipped >= steps:
+            raise TrainingDiverged(f"the fp16 loss scale overflowed at every one of the {steps} optimizer steps, so "
+                                   "each was skipped and the model is unchanged; nothing is saved (use --dtype bf16, "
+                                   "or run more steps for the loss scale to settle)")
 
 
 # --------------------------------------------------------------------------- engines

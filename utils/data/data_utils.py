@@ -55,7 +55,7 @@ from utils.errors import UserInputError
 from utils.files import content_hash
 from utils.reward_functions import REFERENCE
 
-CACHE_VERSION = 2  # 2: phase-3 samples carry their prompt text and dataset row
+CACHE_VERSION = 3  # 2: phase-3 samples carry their prompt text and dataset row; 3: stats count texts cut
 # Phase 3's rows (portable_row), in phase 3's cache key only (steps 1 and 2 keep theirs, and their resumes):
 # 2: list and object fields kept (IFEval's instruction_id_list and kwargs)
 ROW_FIELDS_VERSION = 2
@@ -111,9 +111,9 @@ def portable_row(raw_dataset, row) -> dict:
     return fields
 
 
-def _chat_sample(raw_dataset, row, train_phase: int, chat, max_seq_len: int) -> tuple:
+def _chat_sample(raw_dataset, row, train_phase: int, chat, max_seq_len: int, cut: list | None = None) -> tuple:
     """``(sample, None)`` or ``(None, why it is skipped)`` of one row in the chat template's format ``chat``
-    (a :class:`~utils.data.chat_template.ChatFormat`)."""
+    (a :class:`~utils.data.chat_template.ChatFormat`); ``cut`` gets a 1 for each text cut at ``max_seq_len``."""
     messages = raw_dataset.get_prompt_messages(row)
     if messages is None:
         return None, "empty prompt"
@@ -127,6 +127,8 @@ def _chat_sample(raw_dataset, row, train_phase: int, chat, max_seq_len: int) -> 
 
     def ids(answer):
         prompt_ids, answer_ids = chat.conversation_ids(messages, answer)
+        if cut is not None and len(prompt_ids) + len(answer_ids) > max_seq_len:
+            cut.append(1)
         return torch.tensor((prompt_ids + answer_ids)[:max_seq_len], dtype=torch.int32), len(prompt_ids)
 
     chosen = raw_dataset.get_chosen(row)
@@ -152,16 +154,24 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
                    max_seq_len: int, chat=None) -> PromptDataset:
     """Tokenise ``rows`` of ``raw_dataset`` for one phase, skipping (and counting) unusable rows; in the chat
     template's format ``chat`` when given (module docstring)."""
-    samples, skipped = [], {}
+    samples, skipped, cut = [], {}, []  # cut: a 1 for each text longer than max_seq_len (phases 1 and 2)
 
     def skip(reason):
         skipped[reason] = skipped.get(reason, 0) + 1
 
+    def capped(text):
+        ids = _ids(tokenizer, text, max_seq_len)
+        if ids.numel() >= max_seq_len and len(tokenizer(text)["input_ids"]) > max_seq_len:
+            cut.append(1)
+        return ids
+
     eot = end_of_conversation_token or ""
     for row in rows:
+        cut_before = len(cut)  # a skipped row's cut texts do not count
         if chat is not None:
-            sample, reason = _chat_sample(raw_dataset, row, train_phase, chat, max_seq_len)
+            sample, reason = _chat_sample(raw_dataset, row, train_phase, chat, max_seq_len, cut)
             if sample is None:
+                del cut[cut_before:]
                 skip(reason)
             else:
                 samples.append(sample)
@@ -170,7 +180,7 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
             if _blank(text) or _blank(raw_dataset.get_chosen(row)):
                 skip("empty chosen answer")
                 continue
-            samples.append(_ids(tokenizer, text + eot, max_seq_len))
+            samples.append(capped(text + eot))
         elif train_phase == 2:
             chosen, rejected = raw_dataset.get_prompt_and_chosen(row), raw_dataset.get_prompt_and_rejected(row)
             if chosen is None or rejected is None:
@@ -179,8 +189,9 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
             if _blank(raw_dataset.get_chosen(row)) or _blank(raw_dataset.get_rejected(row)):
                 skip("empty chosen or rejected answer")
                 continue
-            c, r = _ids(tokenizer, chosen + eot, max_seq_len), _ids(tokenizer, rejected + eot, max_seq_len)
+            c, r = capped(chosen + eot), capped(rejected + eot)
             if torch.equal(c, r):
+                del cut[cut_before:]
                 skip("chosen and rejected tokenise identically")
                 continue
             samples.append((c, r))
@@ -194,7 +205,7 @@ def tokenize_phase(raw_dataset, rows, train_phase: int, tokenizer, end_of_conver
                 skip(f"prompt longer than {max_seq_len} tokens")
                 continue
             samples.append({"input_ids": ids, "prompt": prompt, "row": portable_row(raw_dataset, row)})
-    return PromptDataset(samples, train_phase, stats={"kept": len(samples), "skipped": skipped})
+    return PromptDataset(samples, train_phase, stats={"kept": len(samples), "skipped": skipped, "cut": len(cut)})
 
 
 def _phase_rows(raw_dataset, split_name: str, data, output_path, seed, data_split, train_phase):
@@ -263,6 +274,9 @@ def _concat_shuffled(datasets: Sequence[PromptDataset], seed: int, train_phase: 
     order = np.arange(len(samples))
     np.random.RandomState(seed=seed).shuffle(order)
     stats = {"kept": len(samples), "skipped": {}}
+    cut = sum(d.stats.get("cut", 0) for d in datasets)
+    if cut:
+        stats["cut"] = cut
     for d in datasets:
         for reason, n in d.stats.get("skipped", {}).items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
@@ -369,6 +383,11 @@ def create_prompt_dataset(local_rank, data_path, data_split, output_path, train_
         if d.stats.get("skipped"):
             detail = ", ".join(f"{n} × {reason}" for reason, n in sorted(d.stats["skipped"].items()))
             log(f"data: phase {train_phase} {split}: kept {d.stats['kept']} rows, skipped {detail}")
+        if d.stats.get("cut"):  # the answers of these texts are shortened (the reward model scores them at the cut)
+            texts = d.stats["kept"] * (2 if train_phase == 2 else 1)
+            log(f"data: phase {train_phase} {split}: {d.stats['cut']} of {texts} texts are longer than "
+                f"--max_seq_len {max_seq_len} and were cut there (their answers shortened"
+                f"{'; the reward is read at the cut' if train_phase == 2 else ''})")
     if len(train_dataset) == 0:
         raise UserInputError(f"--data_path {' '.join(data_path)}: no usable rows for phase {train_phase} "
                              f"(skipped: {train_dataset.stats.get('skipped') or 'none'})")

@@ -51,14 +51,20 @@ def _text_files(folder: str) -> List[str]:
 
 
 def _lines(paths: Iterable[str]) -> Iterator[str]:
+    """The non-empty lines of text files; a file that is not UTF-8 text (a binary file named .txt) is refused,
+    naming where, instead of being read as replacement characters."""
     for path in paths:
+        line_no = 0
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, 1):
                     if line.strip():
                         yield line.rstrip("\n")
         except OSError as e:
             raise UserInputError(f"--unsupervised_dataset_name: cannot read {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UserInputError(f"--unsupervised_dataset_name: {path} is not UTF-8 text (line {line_no + 1}: "
+                                 f"{e.reason}); give text files") from None
 
 
 def _text_column(dataset, source: str) -> Iterator[str]:
