@@ -20,22 +20,20 @@ import time
 
 import torch
 
-from utils.arguments import single_model_parser, validate_common
+from utils.arguments import single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
-from utils.compat import check_zero_combination
-from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, packs_sequences, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
 from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.lean_forward import label_loss
-from utils.model.model_utils import create_hf_model, save_hf_format
+from utils.model.model_utils import create_hf_model
 from utils.perf import throughput_due, throughput_line
-from utils.preflight import preflight
+from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, load_tokenizer,
-                            make_engine, make_loaders, schedule_note, start_run, step_ds_config)
+from utils.training import (check_steps_ran, epoch_micro_batches, load_tokenizer, make_loaders, make_step_engine,
+                            save_final_causal_lm, start_step)
 
 
 def parse_args(argv=None):
@@ -60,21 +58,15 @@ def evaluate_perplexity(model, dataloader, device):
 
 
 def main(args):
-    # ---- fail fast on bad flags and data, before any model or DeepSpeed set-up
-    validate_common(args)
-    check_zero_combination(args)
-    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=1)
-    with folder:  # a failure before the first step leaves the folder as it was
-        return run(args, folder)
+    return run_step(run, args, phase=1)  # checks first, then the run in its output folder
 
 
 def run(args, folder):
-    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
+    """Set-up, training and the final save, in the output folder ``folder`` (:func:`utils.preflight.run_step`)."""
     from transformers import AutoModelForCausalLM
 
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
-    device, log = start_run(args, "step1_model")
-    ds_config = step_ds_config(args, "step1_model")
+    device, log, ds_config = start_step(args, "step1_model")
 
     # ---- tokenizer and model (+ LoRA)
     tokenizer = load_tokenizer(args, args.model_name_or_path)
@@ -93,11 +85,7 @@ def run(args, folder):
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
-    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
-                                        args.num_train_epochs, args.max_steps)
-    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
-    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
-        log.warning(note)
+    model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)
     ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
@@ -162,11 +150,7 @@ def run(args, folder):
     check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save
-    if args.output_dir is not None:
-        log.info(f"saving the final model to {args.output_dir}")
-        trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
-        folder.save_final([(None, lambda path: save_hf_format(model, tokenizer, path, zero_stage=args.zero_stage,
-                                                              extra_files=trained_in))])
+    save_final_causal_lm(folder, model, tokenizer, args, log)
     log.close()
     return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": step}
 

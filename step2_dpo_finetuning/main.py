@@ -26,25 +26,21 @@ import time
 
 import torch
 
-from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser, validate_common
+from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
-from utils.compat import check_zero_combination
-from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
-from utils.errors import UserInputError
 from utils.finite import check_finite
 from utils.lora import apply_lora
-from utils.model.model_utils import create_hf_model, save_hf_format
+from utils.model.model_utils import create_hf_model
 from utils.perf import throughput_due, throughput_line
-from utils.preflight import preflight
+from utils.preflight import run_step
 from utils.model.lean_forward import pair_log_probs
 from utils.rl_math import dpo_loss
 from utils.runtime import to_device
-from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
-                            frozen_ds_config, load_tokenizer, make_engine, make_loaders, schedule_note, start_run,
-                            step_ds_config)
+from utils.training import (check_steps_ran, epoch_micro_batches, eval_batches, frozen_ds_config, load_tokenizer,
+                            make_engine, make_loaders, make_step_engine, save_final_causal_lm, start_step)
 
 
 def parse_args(argv=None):
@@ -125,25 +121,15 @@ def format_metrics(m: dict) -> str:
 
 
 def main(args):
-    # ---- fail fast on bad flags, model paths and data, before any set-up
-    validate_common(args)
-    check_zero_combination(args)
-    if args.beta <= 0:
-        raise UserInputError(f"--beta must be > 0, got {args.beta}")
-    if not 0.0 <= args.label_smoothing < 0.5:
-        raise UserInputError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
-    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
-    with folder:  # a failure before the first step leaves the folder as it was
-        return run(args, folder)
+    return run_step(run, args, phase=2)  # checks first, then the run in its output folder
 
 
 def run(args, folder):
-    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
+    """Set-up, training and the final save, in the output folder ``folder`` (:func:`utils.preflight.run_step`)."""
     from transformers import AutoModelForCausalLM
 
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed configs (policy: train; reference: frozen)
-    device, log = start_run(args, "step2_dpo")
-    ds_config = step_ds_config(args, "step2_dpo")
+    device, log, ds_config = start_step(args, "step2_dpo")
     ref_ds_config = frozen_ds_config(args.dtype, args.zero_stage, args.offload_reference_model,
                                      args.per_device_train_batch_size, args.gradient_accumulation_steps)
 
@@ -164,11 +150,7 @@ def run(args, folder):
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
     # ---- engines: the policy's optimizer, schedule and deepspeed.initialize; the frozen reference
-    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
-                                        args.num_train_epochs, args.max_steps)
-    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
-    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
-        log.warning(note)
+    model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)
     ref_model = make_engine(ref_model, ref_ds_config)
 
     def evaluate(step: int, when: str) -> dict:
@@ -229,11 +211,7 @@ def run(args, folder):
     check_steps_ran("optimizer step", step, total_steps, [model])
 
     # ---- save (a plain HF causal-LM folder)
-    if args.output_dir is not None:
-        log.info(f"saving the final model to {args.output_dir}")
-        trained_in = training_format_file(args.apply_chat_template)  # chat.py answers in the training format
-        folder.save_final([(None, lambda path: save_hf_format(model, tokenizer, path, zero_stage=args.zero_stage,
-                                                              extra_files=trained_in))])
+    save_final_causal_lm(folder, model, tokenizer, args, log)
     log.close()
     return {"margin_before": first["margin"], "margin": metrics["margin"], "accuracy_before": first["acc"],
             "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": step}

@@ -20,9 +20,8 @@ import time
 
 import torch
 
-from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser, validate_common
+from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
-from utils.compat import check_zero_combination
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.entrypoint import run_main
@@ -32,10 +31,10 @@ from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.perf import throughput_due, throughput_line
-from utils.preflight import preflight
+from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (OptimConfig, check_steps_ran, count_optimizer_steps, epoch_micro_batches, eval_batches,
-                            load_tokenizer, make_engine, make_loaders, schedule_note, start_run, step_ds_config)
+from utils.training import (check_steps_ran, epoch_micro_batches, eval_batches, load_tokenizer, make_loaders,
+                            make_step_engine, start_step)
 
 
 def parse_args(argv=None):
@@ -94,19 +93,13 @@ def format_eval(metrics: dict) -> str:
 
 
 def main(args):
-    # ---- fail fast on bad flags, model paths and data, before any set-up
-    validate_common(args)
-    check_zero_combination(args)
-    folder = preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=2)
-    with folder:  # a failure before the first step leaves the folder as it was
-        return run(args, folder)
+    return run_step(run, args, phase=2)  # checks first, then the run in its output folder
 
 
 def run(args, folder):
-    """Set-up, training and the final save, in the output folder ``folder`` that :func:`main` took."""
+    """Set-up, training and the final save, in the output folder ``folder`` (:func:`utils.preflight.run_step`)."""
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed config
-    device, log = start_run(args, "step2_model")
-    ds_config = step_ds_config(args, "step2_model")
+    device, log, ds_config = start_step(args, "step2_model")
 
     # ---- tokenizer and reward model: backbone + v_head (+ LoRA; the value head always trains)
     tokenizer = load_tokenizer(args, args.model_name_or_path)
@@ -126,11 +119,7 @@ def run(args, folder):
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
-    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps,
-                                        args.num_train_epochs, args.max_steps)
-    model = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
-    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
-        log.warning(note)
+    model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)
 
     def evaluate(step: int, when: str) -> dict:
         metrics = evaluate_reward(model, eval_loader, device, args.eval_iters)

@@ -337,3 +337,16 @@ def preflight(args, causal_lms: Mapping[str, str] = (), reward_models: Mapping[s
         names = list(args.data_path) + list(getattr(args, "sft_only_data_path", None) or [])
         check_data_sources(names, args.data_output_path, args.seed)
     return prepare_output_dir(args)
+
+
+def run_step(run, args, phase: int):
+    """The ``main`` of steps 1, 2 and DPO: fail fast, before any model or DeepSpeed set-up (the shared flag checks,
+    the ZeRO combination, then :func:`preflight`: the model, the data and the output folder, which the run then
+    holds), then ``run(args, folder)`` inside the folder (a failure before the first step leaves it as it was)."""
+    from utils.arguments import validate_common
+    from utils.compat import check_zero_combination
+
+    validate_common(args)
+    check_zero_combination(args)
+    with preflight(args, causal_lms={"--model_name_or_path": args.model_name_or_path}, phase=phase) as folder:
+        return run(args, folder)

@@ -40,6 +40,13 @@ def start_run(args, name: str):
     return device, log
 
 
+def start_step(args, name: str):
+    """``(device, log, ds_config)`` of steps 1, 2 and DPO: :func:`start_run`, and the trained model's DeepSpeed
+    config (:func:`step_ds_config`) with ``name`` as its TensorBoard job."""
+    device, log = start_run(args, name)
+    return device, log, step_ds_config(args, name)
+
+
 def load_tokenizer(args, name_or_path: str):
     """The run's tokenizer: ``name_or_path``'s, plus ``--eot_token`` as a special token with ``--add_eot_token``;
     with ``--apply_chat_template`` it must have a chat template, and pads with a token the template never writes."""
@@ -248,3 +255,29 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
     if gradient_checkpointing:
         enable_activation_checkpointing(engine.module)
     return engine
+
+
+def save_final_causal_lm(folder, model, tokenizer, args, log) -> None:
+    """Steps 1 and DPO's end: the trained model as a plain HF causal-LM folder in the run's output folder (with the
+    note of its training format, so that chat.py answers in it), saved last (:meth:`RunFolder.save_final`)."""
+    from utils.data.chat_template import training_format_file
+    from utils.model.model_utils import save_hf_format
+
+    if args.output_dir is None:
+        return
+    log.info(f"saving the final model to {args.output_dir}")
+    trained_in = training_format_file(args.apply_chat_template)
+    folder.save_final([(None, lambda path: save_hf_format(model, tokenizer, path, zero_stage=args.zero_stage,
+                                                          extra_files=trained_in))])
+
+
+def make_step_engine(model, ds_config: dict, train_loader, args, log):
+    """``(engine, total_steps)`` of steps 1, 2 and DPO's trained model: the optimizer steps the run takes (its epochs,
+    or ``--max_steps``), ``deepspeed.initialize`` with its optimizer and schedule, and a warning when the schedule
+    cannot show in so few steps (:func:`schedule_note`)."""
+    total_steps = count_optimizer_steps(len(train_loader), args.gradient_accumulation_steps, args.num_train_epochs,
+                                        args.max_steps)
+    engine = make_engine(model, ds_config, OptimConfig.from_args(args), total_steps, args.gradient_checkpointing)
+    if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_steps):
+        log.warning(note)
+    return engine, total_steps
