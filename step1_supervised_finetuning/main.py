@@ -17,23 +17,23 @@ if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 13
 
 import math
 import time
+from dataclasses import asdict
 
 import torch
 
 from utils.arguments import single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
 from utils.data.data_utils import DataCollatorSFT, create_prompt_dataset, packs_sequences, pad_multiple
-from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.distributed import get_all_reduce_mean
 from utils.entrypoint import run_main
 from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.lean_forward import label_loss
 from utils.model.model_utils import create_hf_model
-from utils.perf import throughput_due, throughput_line
 from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (check_steps_ran, epoch_micro_batches, load_tokenizer, make_loaders, make_step_engine,
-                            save_final_causal_lm, start_step)
+from utils.training import (Position, check_steps_ran, epoch_batches, epochs, load_tokenizer, make_loaders,
+                            make_step_engine, report_optimizer_step, save_final_causal_lm, start_step)
 
 
 def parse_args(argv=None):
@@ -91,15 +91,11 @@ def run(args, folder):
     ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
                                        folder)
     resumed = ckpt.resume({"model": model})
-    step, start_epoch, skip_batches = 0, 0, 0
-
-    def finished() -> bool:
-        return bool(args.max_steps) and step >= args.max_steps
+    position = Position.resumed(resumed)
 
     # ---- train
     log.info(f"***** Running training: {len(train_dataset)} samples, {total_steps} optimizer steps *****")
     if resumed:
-        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
         first_ppl = ppl = resumed["first_ppl"]
         eval_loss = math.log(ppl)
     else:
@@ -107,15 +103,12 @@ def run(args, folder):
         log.info(f"ppl before training: {ppl:.4f}, loss: {eval_loss:.4f}")
         log.scalars(0, "eval", perplexity=ppl, loss=eval_loss)
         first_ppl = ppl
-    for epoch in range(start_epoch, args.num_train_epochs):
-        skip = skip_batches if epoch == start_epoch else 0
+    for epoch in epochs(position, args):
         model.train()
         accumulated = None  # sum of the current optimizer step's micro-batch losses, on the device
         tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step1 epoch {epoch + 1}",
-                                                     step):
-            if finished():
-                break
+        for batch in epoch_batches(train_loader, position, args, log, f"step1 epoch {epoch + 1}",
+                                   args.gradient_accumulation_steps):
             start = time.time()
             batch = to_device(batch, device)
             loss = label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"],
@@ -124,35 +117,27 @@ def run(args, folder):
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
             tokens += int(batch["tokens"])
-            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
+            if model.global_steps == position.step:  # gradients accumulated, no optimizer step yet
                 continue
             # the step's one host sync; a NaN in any micro-batch of the step stops the run before any save
             loss_value, accumulated_value = torch.stack([loss.detach().float(), accumulated]).tolist()
             accumulated = None
-            check_finite(step + 1, loss=loss_value if math.isfinite(accumulated_value) else accumulated_value)
-            step = model.global_steps
-            if args.print_loss:
-                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0], tokens=tokens)
+            check_finite(position.step + 1, loss=loss_value if math.isfinite(accumulated_value) else accumulated_value)
+            step = position.step = report_optimizer_step(
+                log, args, model, epoch, total_steps, f"loss = {loss_value:.4f}", tokens, time.time() - start,
+                batch["input_ids"].shape[0], batch["input_ids"].shape[1], loss=loss_value)
             tokens = 0
-            if throughput_due(step, total_steps):
-                log.info(throughput_line(model.module, model.module.config, time.time() - start,
-                                         batch["input_ids"].shape[0], batch["input_ids"].shape[1],
-                                         get_world_size(), args.gradient_checkpointing))
-            ckpt.step_done(step, {"model": model},
-                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_ppl": first_ppl})
+            ckpt.step_done(step, {"model": model}, lambda: {**asdict(position), "first_ppl": first_ppl})
         ppl, eval_loss = evaluate_perplexity(model, eval_loader, device)
         log.info(f"ppl after epoch {epoch + 1}: {ppl:.4f}, loss: {eval_loss:.4f}")
-        log.scalars(step, "eval", perplexity=ppl, loss=eval_loss)
-        if finished():
-            break
+        log.scalars(position.step, "eval", perplexity=ppl, loss=eval_loss)
     log.info(f"perplexity: before {first_ppl:.4f} -> after {ppl:.4f}")
-    check_steps_ran("optimizer step", step, total_steps, [model])
+    check_steps_ran("optimizer step", position.step, total_steps, [model])
 
     # ---- save
     save_final_causal_lm(folder, model, tokenizer, args, log)
     log.close()
-    return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": step}
+    return {"perplexity_before": first_ppl, "perplexity_after": ppl, "eval_loss": eval_loss, "steps": position.step}
 
 
 if __name__ == "__main__":

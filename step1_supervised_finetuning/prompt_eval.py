@@ -25,6 +25,7 @@ import argparse
 
 from utils.arguments import add_chat_template_arg
 from utils.entrypoint import run_main
+from utils.model.answers import check_room, prompt_ids
 
 # Prompts end with ":" (the reference's observation: a trailing space often makes an
 # untuned model produce nothing).
@@ -64,12 +65,9 @@ def parse_args(argv=None):
                         help="Fine-tuned model (e.g. step 1's --output_dir).")
     parser.add_argument("--num_beams", type=int, default=1,
                         help="> 1 also shows the fine-tuned model's beam search.")
-    parser.add_argument("--num_beam_groups", type=int, default=None,
-                        help="Accepted for compatibility; not used (said on stderr when given).")
-    parser.add_argument("--top_k", type=int, default=None,
-                        help="Accepted for compatibility; not used (said on stderr when given).")
-    parser.add_argument("--penalty_alpha", type=float, default=None,
-                        help="Accepted for compatibility; not used (said on stderr when given).")
+    for flag, kind in (("--num_beam_groups", int), ("--top_k", int), ("--penalty_alpha", float)):
+        parser.add_argument(flag, type=kind, default=None,
+                            help="Accepted for compatibility; not used (said on stderr when given).")
     parser.add_argument("--num_return_sequences", type=int, default=1,
                         help="Sequences returned by the beam search (≤ --num_beams; greedy returns one).")
     parser.add_argument("--max_new_tokens", type=int, default=100, help="Tokens generated per prompt.")
@@ -134,27 +132,6 @@ def load(name_or_path, args, device):
     return model.to(device).eval(), tokenizer, chat
 
 
-def prompt_ids(tokenizer, prompt: str, chat=None) -> list:
-    """The token ids a model is prompted with: in its chat template's format with ``chat``, else the text's."""
-    from utils.data.chat_template import dschat_messages
-
-    return chat.prompt_ids(dschat_messages(prompt)) if chat is not None else tokenizer(prompt).input_ids
-
-
-def check_room(flag: str, model, tokenizer, chat, prompts: list, max_new_tokens: int) -> None:
-    """Every prompt and ``max_new_tokens`` fit the model's positions (a learned position table fails with an
-    IndexError past its end): refused with the numbers before anything is generated."""
-    from utils.errors import UserInputError
-
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if not positions:
-        return
-    longest = max(len(prompt_ids(tokenizer, p, chat)) for p in prompts)
-    if longest + max_new_tokens > positions:
-        raise UserInputError(f"--max_new_tokens {max_new_tokens}: the longest prompt has {longest} tokens and {flag} "
-                             f"has {positions} positions, so at most {max(positions - longest, 0)} new tokens fit")
-
-
 def generate(model, tokenizer, prompt, device, max_new_tokens, num_beams=1, num_return_sequences=1, chat=None):
     """Decoded texts (prompt included, special tokens dropped) of a deterministic search; ``chat``: the prompt
     in that chat template's format (a :class:`~utils.data.chat_template.ChatFormat`)."""
@@ -185,8 +162,10 @@ def main(args):
     baseline, baseline_tok, baseline_chat = load(args.model_name_or_path_baseline, args, device)
     finetune, finetune_tok, finetune_chat = load(args.model_name_or_path_finetune, args, device)
     prompts = args.prompts or PROMPTS[args.language or "English"]
-    check_room("--model_name_or_path_baseline", baseline, baseline_tok, baseline_chat, prompts, args.max_new_tokens)
-    check_room("--model_name_or_path_finetune", finetune, finetune_tok, finetune_chat, prompts, args.max_new_tokens)
+    for flag, model, tok, chat in (("--model_name_or_path_baseline", baseline, baseline_tok, baseline_chat),
+                                   ("--model_name_or_path_finetune", finetune, finetune_tok, finetune_chat)):
+        check_room(flag, getattr(model.config, "max_position_embeddings", None), tok, chat, prompts,
+                   args.max_new_tokens)
     outputs = []
     for prompt in prompts:
         base = generate(baseline, baseline_tok, prompt, device, args.max_new_tokens, chat=baseline_chat)

@@ -23,24 +23,25 @@ if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 13
     exit_quietly_on_ctrl_c()
 
 import time
+from dataclasses import asdict
 
 import torch
 
 from utils.arguments import add_eval_args, add_offload_reference_arg, single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
-from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.distributed import get_all_reduce_mean
 from utils.entrypoint import run_main
 from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.model_utils import create_hf_model
-from utils.perf import throughput_due, throughput_line
 from utils.preflight import run_step
 from utils.model.lean_forward import pair_log_probs
 from utils.rl_math import dpo_loss
 from utils.runtime import to_device
-from utils.training import (check_steps_ran, epoch_micro_batches, eval_batches, frozen_ds_config, load_tokenizer,
-                            make_engine, make_loaders, make_step_engine, save_final_causal_lm, start_step)
+from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, frozen_ds_config,
+                            load_tokenizer, make_engine, make_loaders, make_step_engine, report_optimizer_step,
+                            save_final_causal_lm, start_step)
 
 
 def parse_args(argv=None):
@@ -166,55 +167,40 @@ def run(args, folder):
     ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
                                        folder)
     resumed = ckpt.resume({"model": model})  # the reference model is frozen: nothing to save
-    if resumed:
-        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
-        first = metrics = resumed["first_eval"]
-    else:
-        step, start_epoch, skip_batches = 0, 0, 0
-        first = metrics = evaluate(0, "before training")
-    for epoch in range(start_epoch, args.num_train_epochs):
-        skip = skip_batches if epoch == start_epoch else 0
+    position = Position.resumed(resumed)
+    first = metrics = resumed["first_eval"] if resumed else evaluate(0, "before training")
+    for epoch in epochs(position, args):
         model.train()
         tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"dpo epoch {epoch + 1}",
-                                                     step):
-            if args.max_steps and step >= args.max_steps:
-                break
+        for batch in epoch_batches(train_loader, position, args, log, f"dpo epoch {epoch + 1}",
+                                   args.gradient_accumulation_steps):
             start = time.time()
             batch = to_device(batch, device)
             out = dpo_batch(model, ref_model, batch, args.beta, args.label_smoothing)
-            check_finite(step + 1, loss=out["loss"])
+            check_finite(position.step + 1, loss=out["loss"])
             model.backward(out["loss"])
             model.step()
             tokens += int(batch["attention_mask"].sum())
-            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
+            if model.global_steps == position.step:  # gradients accumulated, no optimizer step yet
                 continue
-            step = model.global_steps
             stats = summarize(out)
-            if args.print_loss:
-                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {format_metrics(stats)}")
-            log.scalars(step, "train", lr=model.get_lr()[0], tokens=tokens, **stats)
+            step = position.step = report_optimizer_step(
+                log, args, model, epoch, total_steps, format_metrics(stats), tokens, time.time() - start,
+                2 * args.per_device_train_batch_size, batch["input_ids"].shape[1], **stats)
             tokens = 0
-            if throughput_due(step, total_steps):
-                log.info(throughput_line(model.module, model.module.config, time.time() - start,
-                                         2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],
-                                         get_world_size(), args.gradient_checkpointing))
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 evaluate(step, f"at step {step}")
-            ckpt.step_done(step, {"model": model},
-                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_eval": first})
-        metrics = evaluate(step, f"after epoch {epoch + 1}")
-        if args.max_steps and step >= args.max_steps:
-            break
+            ckpt.step_done(step, {"model": model}, lambda: {**asdict(position), "first_eval": first})
+        metrics = evaluate(position.step, f"after epoch {epoch + 1}")
     log.info(f"reward margin: before {first['margin']:+.4f} -> after {metrics['margin']:+.4f}; "
              f"accuracy {first['acc']:.4f} -> {metrics['acc']:.4f}")
-    check_steps_ran("optimizer step", step, total_steps, [model])
+    check_steps_ran("optimizer step", position.step, total_steps, [model])
 
     # ---- save (a plain HF causal-LM folder)
     save_final_causal_lm(folder, model, tokenizer, args, log)
     log.close()
     return {"margin_before": first["margin"], "margin": metrics["margin"], "accuracy_before": first["acc"],
-            "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": step}
+            "accuracy": metrics["acc"], "eval_loss": metrics["loss"], "steps": position.step}
 
 
 if __name__ == "__main__":

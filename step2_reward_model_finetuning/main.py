@@ -17,24 +17,24 @@ if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 13
     exit_quietly_on_ctrl_c()
 
 import time
+from dataclasses import asdict
 
 import torch
 
 from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser
 from utils.checkpoint import CheckpointManager, run_inputs
 from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
-from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.distributed import get_all_reduce_mean
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.finite import check_finite
 from utils.lora import apply_lora
 from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
-from utils.perf import throughput_due, throughput_line
 from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (check_steps_ran, epoch_micro_batches, eval_batches, load_tokenizer, make_loaders,
-                            make_step_engine, start_step)
+from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, load_tokenizer,
+                            make_loaders, make_step_engine, report_optimizer_step, start_step)
 
 
 def parse_args(argv=None):
@@ -131,55 +131,41 @@ def run(args, folder):
     ckpt = CheckpointManager.from_args(args, log, run_inputs(train_dataset, model_name_or_path=args.model_name_or_path),
                                        folder)
     resumed = ckpt.resume({"model": model})
+    position = Position.resumed(resumed)
 
     # ---- train
     log.info(f"***** Running training: {len(train_dataset)} pairs, {total_steps} optimizer steps *****")
-    if resumed:
-        step, start_epoch, skip_batches = resumed["step"], resumed["epoch"], resumed["batches_in_epoch"]
-        first = metrics = resumed["first_eval"]
-    else:
-        step, start_epoch, skip_batches = 0, 0, 0
-        first = metrics = evaluate(0, "before training")
-    for epoch in range(start_epoch, args.num_train_epochs):
-        skip = skip_batches if epoch == start_epoch else 0
+    first = metrics = resumed["first_eval"] if resumed else evaluate(0, "before training")
+    for epoch in epochs(position, args):
         model.train()
-        loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if skip else (0.0, 0)
+        mid_epoch = position.batches_in_epoch > 0  # a resumed run: the epoch's loss so far comes from the checkpoint
+        loss_sum, loss_count = (resumed["epoch_loss_sum"], resumed["epoch_loss_count"]) if mid_epoch else (0.0, 0)
         tokens = 0  # real tokens of the current optimizer step's micro-batches (the throughput's unit)
-        for micro_step, batch in epoch_micro_batches(train_loader, epoch, skip, args, log, f"step2 epoch {epoch + 1}",
-                                                     step):
-            if args.max_steps and step >= args.max_steps:
-                break
+        for batch in epoch_batches(train_loader, position, args, log, f"step2 epoch {epoch + 1}",
+                                   args.gradient_accumulation_steps):
             start = time.time()
             batch = to_device(batch, device)
             loss = model(**batch, use_cache=False)["loss"]
             model.backward(loss)
             model.step()
             loss_value = loss.item()  # the micro-step's one host sync (a NaN stops the run before any save)
-            check_finite(step + 1, loss=loss_value)
+            check_finite(position.step + 1, loss=loss_value)
             loss_sum, loss_count = loss_sum + loss_value, loss_count + 1
             tokens += int(batch["attention_mask"].sum())
-            if model.global_steps == step:  # gradients accumulated, no optimizer step yet
+            if model.global_steps == position.step:  # gradients accumulated, no optimizer step yet
                 continue
-            step = model.global_steps
-            if args.print_loss:
-                log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, loss = {loss_value:.4f}")
-            log.scalars(step, "train", loss=loss_value, lr=model.get_lr()[0], tokens=tokens)
+            step = position.step = report_optimizer_step(
+                log, args, model, epoch, total_steps, f"loss = {loss_value:.4f}", tokens, time.time() - start,
+                2 * args.per_device_train_batch_size, batch["input_ids"].shape[1], loss=loss_value)
             tokens = 0
-            if throughput_due(step, total_steps):
-                log.info(throughput_line(model.module, model.module.config, time.time() - start,
-                                         2 * args.per_device_train_batch_size, batch["input_ids"].shape[1],
-                                         get_world_size(), args.gradient_checkpointing))
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 evaluate(step, f"at step {step}")
-            ckpt.step_done(step, {"model": model},
-                           lambda: {"epoch": epoch, "batches_in_epoch": micro_step + 1, "first_eval": first,
-                                    "epoch_loss_sum": loss_sum, "epoch_loss_count": loss_count})
+            ckpt.step_done(step, {"model": model}, lambda: {**asdict(position), "first_eval": first,
+                                                            "epoch_loss_sum": loss_sum, "epoch_loss_count": loss_count})
         log.info(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {loss_sum / max(loss_count, 1):.4f}")
-        metrics = evaluate(step, f"after epoch {epoch + 1}")
-        if args.max_steps and step >= args.max_steps:
-            break
+        metrics = evaluate(position.step, f"after epoch {epoch + 1}")
     log.info(f"accuracy: before {first['acc']:.4f} -> after {metrics['acc']:.4f}")
-    check_steps_ran("optimizer step", step, total_steps, [model])
+    check_steps_ran("optimizer step", position.step, total_steps, [model])
 
     # ---- save
     if args.output_dir is not None:
@@ -187,7 +173,7 @@ def run(args, folder):
         folder.save_final([(None, lambda path: save_reward_model(model, tokenizer, path, zero_stage=args.zero_stage))])
     log.close()
     return {"accuracy_before": first["acc"], "accuracy": metrics["acc"], "chosen_mean_score": metrics["chosen"],
-            "rejected_mean_score": metrics["rejected"], "eval_loss": metrics["loss"], "steps": step}
+            "rejected_mean_score": metrics["rejected"], "eval_loss": metrics["loss"], "steps": position.step}
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ from utils.reward_functions import check_rows, load_reward_fn
 from utils.rl_math import KL_ESTIMATORS
 from utils.runtime import to_device
 from utils.summary import head_tail_window
-from utils.training import (answer_end_token, check_steps_ran, load_tokenizer, refuse_no_optimizer_step, schedule_note,
-                            start_run)
+from utils.training import (answer_end_token, check_steps_ran, epoch_batches, epochs, load_tokenizer,
+                            refuse_no_optimizer_step, schedule_note, start_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -407,13 +407,6 @@ def create_datasets(args, tokenizer, log):
     return prompts, prompt_loader, unsup_loader, rl_steps, total_iters
 
 
-def epoch_batches(batches: int, args, rl_step: int) -> int:
-    """Generation batches the epoch's progress bar counts: ``--max_steps`` can end the epoch early."""
-    if args.max_steps:
-        return max(0, min(batches, (args.max_steps - rl_step) * args.generation_batches))
-    return batches
-
-
 def parameter_checksum(engine, zero_stage: int) -> float | None:
     """Σ|θ| + Σθ² over a model's parameters (float64; ZeRO-3 partitions summed across ranks); None without one."""
     if engine is None:
@@ -530,34 +523,15 @@ class Progress:
     ema_reward: float | None = None
     history: list = field(default_factory=list)  # every step's metrics
 
+    @property
+    def step(self) -> int:  # the loop's count (utils.training.epochs / epoch_batches)
+        return self.rl_step
+
     @classmethod
     def from_checkpoint(cls, state: dict | None) -> "Progress":
         """A fresh start (``state`` None) or the saved progress (the checkpoint adds its own keys: ignored; a field an
         older checkpoint lacks keeps its default)."""
         return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state}) if state else cls()
-
-
-def training_batches(args, prompt_loader, unsup_loader, progress: Progress, log):
-    """``(prompt batch, text batch or None)`` from where ``progress`` stands to the end of the run (epochs, and
-    ``--max_steps``, which ``progress.rl_step`` is checked against after every round), updating the position."""
-    mixing, start_epoch, skip = unsup_loader is not None, progress.epoch, progress.batches_in_epoch
-    for epoch in range(start_epoch, args.num_train_epochs):
-        if args.max_steps and progress.rl_step >= args.max_steps:
-            return
-        skip = skip if epoch == start_epoch else 0
-        for loader in (prompt_loader, unsup_loader):
-            if loader is not None:
-                loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
-        batches = zip(prompt_loader, unsup_loader) if mixing else ((b, None) for b in prompt_loader)
-        total = epoch_batches(min(len(prompt_loader), len(unsup_loader)) if mixing else len(prompt_loader),
-                              args, progress.rl_step)
-        for progress.batches_in_epoch, batch in enumerate(
-                log.progress(batches, desc=f"step3 epoch {epoch + 1}", total=total), start=skip + 1):
-            progress.epoch = epoch
-            progress.gen_step += 1
-            yield batch
-            if args.max_steps and progress.rl_step >= args.max_steps:
-                return
 
 
 def report_step(log, progress: Progress, rollout: Rollout, losses: dict, train_time: float, context: dict) -> dict:
@@ -696,31 +670,34 @@ def run(args, folder):
              f"per model, unsupervised mixing {'on' if config.unsupervised else 'off'} *****")
     log.info(algorithm_line(ppo))
     rounds = RoundCollector(ppo, args.per_device_generation_batch_size)
-    for batch, text in training_batches(args, prompt_loader, unsup_loader, progress, log):
-        batch = to_device(batch, device)
-        rollout = trainer.generate(batch["prompt"], batch["prompt_att_mask"], batch["prompt_text"], batch["rows"],
-                                   progress.gen_step)
-        progress.dropped_total += rollout.info["dropped"]
-        if rollout.info["kept"] == 0:
-            log.warning(f"generation batch {progress.gen_step}: every answer had ≤ 1 token; nothing to score "
-                        f"({progress.dropped_total} answers dropped so far)")
-        else:
-            rollout.scores = trainer.score(rollout)
-        ready = rounds.add(rollout, to_device(text, device) if text is not None else None)
-        if ready is None:  # --generation_batches batches (with --dynamic_sampling: their groups) not there yet
-            continue
-        rollout, texts = ready
-        if rollout.info.get("groups_kept") == 0:
-            log.warning(f"--dynamic_sampling: no group with different scores in {rollout.info['sampled_batches']} "
-                        "generation batches (--dynamic_sampling_max_batches); no RL step on them")
-            continue
-        trainer.compute_advantages(rollout)  # on the whole round: every group (and REINFORCE++'s batch) intact
-        progress.rl_step += 1
-        train_start = time.time()
-        losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs,
-                          args.gradient_accumulation_steps)
-        report_step(log, progress, rollout, losses, time.time() - train_start, context)
-        ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
+    for epoch in epochs(progress, args):
+        for batch, text in epoch_batches((prompt_loader, unsup_loader), progress, args, log, f"step3 epoch {epoch + 1}",
+                                         args.generation_batches):
+            progress.gen_step += 1
+            batch = to_device(batch, device)
+            rollout = trainer.generate(batch["prompt"], batch["prompt_att_mask"], batch["prompt_text"], batch["rows"],
+                                       progress.gen_step)
+            progress.dropped_total += rollout.info["dropped"]
+            if rollout.info["kept"] == 0:
+                log.warning(f"generation batch {progress.gen_step}: every answer had ≤ 1 token; nothing to score "
+                            f"({progress.dropped_total} answers dropped so far)")
+            else:
+                rollout.scores = trainer.score(rollout)
+            ready = rounds.add(rollout, to_device(text, device) if text is not None else None)
+            if ready is None:  # --generation_batches batches (with --dynamic_sampling: their groups) not there yet
+                continue
+            rollout, texts = ready
+            if rollout.info.get("groups_kept") == 0:
+                log.warning(f"--dynamic_sampling: no group with different scores in {rollout.info['sampled_batches']} "
+                            "generation batches (--dynamic_sampling_max_batches); no RL step on them")
+                continue
+            trainer.compute_advantages(rollout)  # on the whole round: every group (and REINFORCE++'s batch) intact
+            progress.rl_step += 1
+            train_start = time.time()
+            losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs,
+                              args.gradient_accumulation_steps)
+            report_step(log, progress, rollout, losses, time.time() - train_start, context)
+            ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
 
     # ---- summary and save (not when no RL step ran: the models would be their inputs)
     check_steps_ran("RL step", progress.rl_step, rl_steps, [engine.actor, engine.critic],

@@ -447,15 +447,6 @@ def test_a_seed_numpy_refuses_is_an_argparse_error_not_a_traceback(seed, capsys)
     assert f"argument --seed: must be between 0 and 2**32 - 1, got {seed}" in capsys.readouterr().err
 
 
-def test_step3_progress_bar_counts_the_batches_max_steps_lets_run():
-    from step3_rlhf_finetuning.main import epoch_batches
-
-    assert epoch_batches(100, SimpleNamespace(max_steps=10, generation_batches=1), 0) == 10
-    assert epoch_batches(100, SimpleNamespace(max_steps=10, generation_batches=2), 4) == 12
-    assert epoch_batches(5, SimpleNamespace(max_steps=10, generation_batches=1), 0) == 5
-    assert epoch_batches(100, SimpleNamespace(max_steps=0, generation_batches=1), 7) == 100
-
-
 def test_a_small_dataset_without_eval_rows_is_refused_for_steps_1_and_2(tmp_path):
     """40 rows: phase 1 gets 8 train and 0 eval rows (its perplexity would read 1.0 -> 1.0)."""
     from utils.data.data_utils import create_prompt_dataset

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -87,6 +88,79 @@ def test_resumable_loader_leaves_the_global_rng_alone():
     loader.sampler.set_epoch(0)
     full = [b.tolist() for b in loader]
     assert batches == full[1:] and len(full) == 4
+
+
+class _Log:
+    """The logger's two calls the loop makes; the bar's ``total`` is recorded."""
+
+    def __init__(self):
+        self.lines, self.totals = [], []
+
+    def info(self, line):
+        self.lines.append(line)
+
+    def progress(self, iterable, desc, total):
+        self.totals.append(total)
+        return iterable
+
+
+def _walk(position, args, loaders, per_step, stop_after=None):
+    """Drive the shared loop as the steps do (one step per ``per_step`` batches); ``stop_after`` batches: a kill."""
+    from utils.training import epoch_batches, epochs
+
+    seen, log = [], _Log()
+    for epoch in epochs(position, args):
+        for batch in epoch_batches(loaders, position, args, log, f"epoch {epoch + 1}", per_step):
+            seen.append((epoch, batch))
+            if position.batches_in_epoch % per_step == 0:
+                position.step += 1
+            if stop_after is not None and len(seen) == stop_after:
+                return seen, log
+    return seen, log
+
+
+def as_lists(seen):
+    return [(e, b.tolist() if hasattr(b, "tolist") else tuple(x if x is None else x.tolist() for x in b))
+            for e, b in seen]
+
+
+def test_the_one_loop_resumes_where_the_checkpoint_stood_and_stops_at_max_steps():
+    """Every step's loop (utils.training.epochs / epoch_batches): a run stopped after 5 batches and resumed from its
+    Position sees exactly the batches the uninterrupted run saw after those 5; --max_steps 5 with 2 batches a step
+    ends after 10 batches, in epoch 2, and the bar counts only the batches that run."""
+    from utils.training import Position
+
+    args = SimpleNamespace(num_train_epochs=3, max_steps=0)
+    full, log = _walk(Position(), args, resumable_loader(list(range(10)), 3, seed=0), per_step=1)
+    assert [e for e, _ in full] == [0] * 4 + [1] * 4 + [2] * 4 and log.totals == [4, 4, 4]
+    assert "Beginning of Epoch 2/3, Total Micro Batches 4" in log.lines
+    first, _ = _walk(Position(), args, resumable_loader(list(range(10)), 3, seed=0), per_step=1, stop_after=5)
+    saved = Position(epoch=1, batches_in_epoch=1, step=5)  # what the checkpoint after batch 5 holds
+    rest, log = _walk(Position.resumed({"epoch": 1, "batches_in_epoch": 1, "step": 5}), args,
+                      resumable_loader(list(range(10)), 3, seed=0), per_step=1)
+    assert as_lists(first + rest) == as_lists(full) and log.totals == [3, 4]
+    assert Position.resumed(None) == Position() and saved == Position.resumed(vars(saved))
+
+    capped = SimpleNamespace(num_train_epochs=3, max_steps=5)
+    seen, log = _walk(Position(), capped, resumable_loader(list(range(10)), 3, seed=0), per_step=2)
+    assert len(seen) == 10 and [e for e, _ in seen] == [0] * 4 + [1] * 4 + [2] * 2 and log.totals == [4, 4, 2]
+    done, log = _walk(Position(epoch=2, batches_in_epoch=2, step=5), capped,
+                      resumable_loader(list(range(10)), 3, seed=0), per_step=2)
+    assert done == [] and log.totals == []  # a finished run resumed: nothing more
+
+
+def test_the_one_loop_zips_loaders_and_keeps_a_missing_one_as_none():
+    """Step 3's prompts and its text for the LM loss come in pairs, as many as the shorter loader has; without text
+    the pair's second half is None."""
+    from utils.training import Position
+
+    args = SimpleNamespace(num_train_epochs=1, max_steps=0)
+    prompts, text = resumable_loader(list(range(10)), 2, seed=0), resumable_loader(list(range(100, 106)), 2, seed=1)
+    seen, log = _walk(Position(), args, (prompts, text), per_step=1)
+    assert len(seen) == 3 and log.totals == [3]
+    assert all(min(p) < 10 and min(t) >= 100 for _, (p, t) in as_lists(seen))
+    seen, _ = _walk(Position(), args, (resumable_loader(list(range(10)), 2, seed=0), None), per_step=1)
+    assert len(seen) == 5 and all(t is None for _, (_, t) in seen)
 
 
 # --------------------------------------------------------------------------- manifest

@@ -5,8 +5,9 @@ Steps 1, 2 and DPO and step 3's engines are built from these pieces:
 - :func:`start_run`: process group, precision, seed and the run's logger; :func:`load_tokenizer`;
 - :func:`train_ds_config` / :func:`frozen_ds_config`: DeepSpeed configs with the batch sizes set,
   and :func:`frozen_stage`, the one rule for a frozen copy's ZeRO stage;
-- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader, and
-  :func:`epoch_micro_batches`, one epoch of the first (resuming mid-epoch);
+- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader;
+- the one loop of every step (1, 2, DPO and 3): :func:`epochs` and :func:`epoch_batches` walk a run from a
+  :class:`Position` (fresh, or a checkpoint's) to its end, ``--max_steps`` included;
 - :func:`count_optimizer_steps`: the length of the learning-rate schedule, and the shared checks that a run makes
   an optimizer step (:func:`refuse_no_optimizer_step` up front, :func:`check_steps_ran` before saving);
 - :class:`OptimConfig` and :func:`make_engine`: optimizer, schedule and ``deepspeed.initialize``.
@@ -125,15 +126,75 @@ def micro_batches_to_run(batches: int, max_steps: int = 0, step: int = 0, grad_a
     return max(0, min(batches, (max_steps - step) * grad_accum)) if max_steps else batches
 
 
-def epoch_micro_batches(loader, epoch: int, skip: int, args, log, desc: str, step: int = 0):
-    """``(micro_step, batch)`` pairs of one epoch behind a progress bar, numbered from ``skip``: the loader's
-    sampler is set to the epoch's order and resumes after ``skip`` micro-batches (0 unless resuming). With
-    ``--max_steps`` only the micro-batches of the steps left after ``step`` come (and the bar counts those)."""
-    loader.sampler.set_epoch(epoch, skip_batches=skip, batch_size=loader.batch_size)
-    total = micro_batches_to_run(len(loader), args.max_steps, step, args.gradient_accumulation_steps)
-    log.info(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(loader)}"
-             + (f" ({total} of them run: --max_steps {args.max_steps})" if total < len(loader) else ""))
-    return enumerate(log.progress(itertools.islice(loader, total), desc=desc, total=total), start=skip)
+@dataclass
+class Position:
+    """Where a training loop stands: what a checkpoint saves to resume it (:func:`epochs`, :func:`epoch_batches`).
+    ``step`` is the loop's own count (optimizer steps; RL steps in step 3), which the caller advances."""
+    epoch: int = 0
+    batches_in_epoch: int = 0  # batches of ``epoch`` consumed
+    step: int = 0
+
+    @classmethod
+    def resumed(cls, state: dict | None) -> "Position":
+        """A fresh start (``state`` None) or a checkpoint's position (its ``epoch``, ``batches_in_epoch``, ``step``)."""
+        return cls(state["epoch"], state["batches_in_epoch"], state["step"]) if state else cls()
+
+
+def _finished(position, max_steps: int) -> bool:
+    return bool(max_steps) and position.step >= max_steps
+
+
+def epochs(position, args):
+    """The run's epochs from ``position.epoch`` on (a new epoch starts at batch 0), until ``--num_train_epochs`` or
+    ``--max_steps`` steps are done."""
+    for epoch in range(position.epoch, args.num_train_epochs):
+        if _finished(position, args.max_steps):
+            return
+        if epoch != position.epoch:
+            position.epoch, position.batches_in_epoch = epoch, 0
+        yield epoch
+
+
+def epoch_batches(loaders, position, args, log, desc: str, per_step: int):
+    """The batches of ``position.epoch`` behind a progress bar, after the ``position.batches_in_epoch`` already
+    consumed (a resumed run). ``loaders``: one loader (its batches come) or a tuple of them (tuples of one batch of
+    each come, None for a None loader); each (:func:`utils.checkpoint.resumable_loader`) is set to the epoch's
+    order. The epoch ends early once the caller's ``position.step`` reaches ``--max_steps`` (checked after each batch:
+    a step may take more batches than ``per_step``, as step 3's dynamic sampling does); the bar counts the batches
+    of the steps left at ``per_step`` a step. ``position.batches_in_epoch`` counts each batch as it is handed out."""
+    single = not isinstance(loaders, (list, tuple))
+    group = [loaders] if single else list(loaders)
+    live = [loader for loader in group if loader is not None]
+    skip = position.batches_in_epoch
+    for loader in live:
+        loader.sampler.set_epoch(position.epoch, skip_batches=skip, batch_size=loader.batch_size)
+    available = min(len(loader) for loader in live)
+    total = micro_batches_to_run(available, args.max_steps, position.step, per_step)
+    log.info(f"Beginning of Epoch {position.epoch + 1}/{args.num_train_epochs}, Total Micro Batches {available}"
+             + (f" ({total} of them run: --max_steps {args.max_steps})" if total < available else ""))
+    batches = live[0] if single else (tuple(next(parts) if loader is not None else None for loader in group)
+                                      for parts in (iter(row) for row in zip(*live)))
+    for position.batches_in_epoch, batch in enumerate(log.progress(batches, desc=desc, total=total), start=skip + 1):
+        yield batch
+        if _finished(position, args.max_steps):
+            return
+
+
+def report_optimizer_step(log, args, model, epoch: int, total_steps: int, line: str, tokens: int, seconds: float,
+                          rows: int, seq_len: int, **scalars) -> int:
+    """Steps 1, 2 and DPO after an optimizer step of ``model`` (an engine): the ``--print_loss`` line (``line``: the
+    step's numbers as text), the step's scalars with the learning rate and its real ``tokens``, and the throughput
+    line when due (the last micro-batch: ``rows`` × ``seq_len`` in ``seconds``). Returns the step's number."""
+    from utils.perf import throughput_due, throughput_line
+
+    step = model.global_steps
+    if args.print_loss:
+        log.info(f"Epoch: {epoch}, Step: {step}, Rank: {args.global_rank}, {line}")
+    log.scalars(step, "train", lr=model.get_lr()[0], tokens=tokens, **scalars)
+    if throughput_due(step, total_steps):
+        log.info(throughput_line(model.module, model.module.config, seconds, rows, seq_len, get_world_size(),
+                                 args.gradient_checkpointing))
+    return step
 
 
 def eval_batches(loader, eval_iters: int):
