@@ -102,6 +102,7 @@ DEMO_QUESTION = "Describe the lamp."
 # word where tiny-opt's stayed near chance; a reward model that misses repeats is what PPO games.
 DEMO_MODEL = "tiny-llama"
 DEFAULT_MODEL = "tiny-opt"
+DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's
 # The demo's ~1 M-parameter model runs ~3x faster with one thread per process than with two.
 DEMO_CPU_THREADS = "1"
 
@@ -179,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="single_node: GPUs to use (default: all).")
     p.add_argument("--cpu-ranks", type=cpu_ranks, default=1,
                    help="single_node without GPUs: CPU processes (1 = plain python, >1 = deepspeed launcher).")
-    p.add_argument("--hostfile", default="/job/hostfile",
-                   help="multi_node: DeepSpeed hostfile (one \"host slots=N\" line per node; DeepSpeed's default).")
+    p.add_argument("--hostfile", default=None,
+                   help="multi_node: DeepSpeed hostfile (one \"host slots=N\" line per node; default "
+                        f"{DEFAULT_HOSTFILE}, DeepSpeed's).")
     for n in STEPS:
         p.add_argument(f"--step{n}-args", default="", metavar="ARGS",
                        help=f"Extra flags for step {n}'s main.py, one quoted string (they win over train.py's).")
@@ -223,9 +225,12 @@ def parse_args(argv=None):
     if args.num_gpus is not None and args.deployment_type != "single_node":
         parser.error(f"--num-gpus {args.num_gpus} would not be used: it is --deployment-type single_node's (got "
                      f"{args.deployment_type}: {'one GPU' if args.deployment_type == 'single_gpu' else '--hostfile'})")
+    if args.hostfile is not None and args.deployment_type != "multi_node":
+        parser.error(f"--hostfile {args.hostfile} would not be used: it is --deployment-type multi_node's (got "
+                     f"{args.deployment_type})")
     args.step = sorted(set(args.step))
     args.output_dir = os.path.abspath(args.output_dir)
-    args.hostfile = os.path.abspath(args.hostfile)  # the steps run in the repository folder
+    args.hostfile = os.path.abspath(args.hostfile or DEFAULT_HOSTFILE)  # the steps run in the repository folder
     args.actor_model = args.actor_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
     args.reward_model = args.reward_model or (DEMO_MODEL if args.demo else DEFAULT_MODEL)
     args.actor = parse_model(args.actor_model)
@@ -465,10 +470,9 @@ def has_model(folder: str) -> bool:
 
 
 def produced(launch: Launch) -> bool:
-    """Whether ``launch``'s output folder holds its result: a finished run, or the collector's comparisons."""
-    if launch.step is COLLECT:
-        return os.path.isfile(os.path.join(launch.out_dir, "train.jsonl"))
-    return has_model(launch.out_dir)
+    """Whether ``launch``'s output folder holds its result: a finished run (the collector's: its comparisons, all
+    written; :meth:`utils.run_folder.RunFolder.finished`)."""
+    return RunFolder(launch.out_dir).finished(model=launch.step is not COLLECT)
 
 
 def finished_steps(args, plan: list) -> list:

@@ -110,6 +110,23 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
     return pairs, counts, scores
 
 
+def check_answers_fit(args, prompts: list) -> None:
+    """The longest prompt (in the chat template with ``--apply_chat_template``) and ``--max_new_tokens`` fit the
+    actor's positions: refused with the numbers before the model loads or the folder is touched."""
+    from utils.data.chat_template import chat_format
+    from utils.model.answers import check_room
+    from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
+    from utils.preflight import model_positions
+
+    path = resolve_model_name_or_path(args.actor_model_name_or_path)
+    positions = model_positions(path)
+    if positions is None:
+        return
+    tokenizer = load_hf_tokenizer(path, apply_chat_template=args.apply_chat_template)
+    check_room("--actor_model_name_or_path", positions, tokenizer,
+               chat_format(tokenizer) if args.apply_chat_template else None, prompts, args.max_new_tokens)
+
+
 def main(args):
     # ---- fail fast: flags, the actor, the output folder, the labelling function and the data
     validate(args)
@@ -126,6 +143,7 @@ def main(args):
                              f"the train split (--data_split {args.data_split})")
     for split, rows in data.items():
         check_rows(args.label_fn, [p for p, _ in rows], [r for _, r in rows], flag="--label_fn")
+    check_answers_fit(args, [p for rows in data.values() for p, _ in rows])
     folder = RunFolder(args.output_dir).claim(args.overwrite)  # last: nothing is moved when a check fails
     with folder:
         return run(args, folder, data, label_fn)

@@ -242,6 +242,18 @@ def test_ctrl_c_while_train_py_starts_is_one_line(tmp_path):
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
 
 
+def test_a_reader_that_goes_away_ends_chat_quietly(tmp_path):
+    """`chat.py | head -c 20`: the pipe closes while the assistant answers; a BrokenPipeError traceback was printed."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first answer is written
+    proc = subprocess.run([sys.executable, str(REPO / "chat.py"), "--path", "tiny-opt", "--max_new_tokens", "8"],
+                          cwd=tmp_path, env=_env(), input=b"hello there\nquit\n", stdout=write,
+                          stderr=subprocess.PIPE, timeout=300)
+    os.close(write)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+
+
 # --------------------------------------------------------------------------- rules 3 and 4 through the entry points
 
 STEP1 = "step1_supervised_finetuning/main.py"
@@ -302,10 +314,19 @@ CASES = {
                                                    "--model_name_or_path_finetune", "tiny-opt", "--max_new_tokens",
                                                    "510", "--prompts", "Human: Describe the lamp. Assistant:"], {},
                                      ["--max_new_tokens 510", "512 positions", "new tokens fit"]),
+    "collect_beyond_positions": ("step2_reward_model_finetuning/collect_comparisons.py",
+                                 ["--actor_model_name_or_path", "tiny-opt", "--data_path", "builtin/preference-small",
+                                  "--label_fn", "builtin_preference", "--max_new_tokens", "510", "--output_dir",
+                                  "{dir}/comparisons", "--data_output_path", "{dir}/data"], {},
+                                 ["--max_new_tokens 510", "512 positions", "at most 499 new tokens fit"]),
     # rule 4: numeric flags in their range, flags that cannot apply, runs without an optimizer step
     "negative_eval_interval": (STEP2, [*TINY, "--eval_interval", "-1"], {}, ["--eval_interval must be ≥ 0", "got -1"]),
     "negative_warmup": (STEP1, [*TINY, "--num_warmup_steps", "-5"], {}, ["--num_warmup_steps must be ≥ 0, got -5"]),
     "infinite_dpo_beta": (DPO, [*TINY, "--beta", "inf"], {}, ["--beta must be a finite number > 0, got inf"]),
+    "tensorboard_path_without_tensorboard": (STEP1, [*TINY, "--tensorboard_path", "{dir}/tb"], {},
+                                             ["--tensorboard_path", "would not be used without --enable_tensorboard"]),
+    "step3_tensorboard_path_without_tensorboard": (STEP3, [*STEP3_ARGS, "--tensorboard_path", "{dir}/tb"], {},
+                                                   ["would not be used without --enable_tensorboard"]),
     "lora_rate_without_lora": (STEP1, [*TINY, "--lora_learning_rate", "1e-3"], {},
                                ["--lora_learning_rate would not be used", "--lora_dim is 0"]),
     "step3_zero_reward_clip": (STEP3, [*STEP3_ARGS, "--clip_reward_value", "0"], {},
@@ -327,6 +348,9 @@ CASES = {
                                       ["--cpu-ranks 2 would not be used", "single_node"]),
     "train_py_zero_gpus": ("train.py", ["--demo", "--dry-run", "--num-gpus", "0"], {},
                            ["argument --num-gpus: must be ≥ 1, got 0"]),
+    "train_py_hostfile_on_one_node": ("train.py", ["--demo", "--dry-run", "--hostfile", "{dir}/hosts",
+                                                   "--deployment-type", "single_node"], {"hosts": b"w1 slots=2\n"},
+                                      ["--hostfile", "would not be used", "multi_node's (got single_node)"]),
     "train_py_gpus_for_several_nodes": ("train.py", ["--demo", "--dry-run", "--num-gpus", "2", "--deployment-type",
                                                      "multi_node"], {}, ["--num-gpus 2 would not be used"]),
     "step3_no_optimizer_step": (STEP3, [*GRPO, "--max_steps", "1", "--gradient_accumulation_steps", "64"], {},

@@ -92,6 +92,20 @@ def test_the_manifest_lists_what_the_run_wrote_and_finished_means_the_final_save
     assert manifest(step3)["entries"] == ["actor", "checkpoints", "critic", "metrics.jsonl"]
 
 
+def test_a_result_that_is_not_a_model_is_finished_when_its_save_completed(tmp_path):
+    """The comparison collector's folder (train.py's plan asks whether it is done): files, no model. A train.jsonl
+    written by a save that was killed before the manifest said "finished" is not a finished result."""
+    out = str(tmp_path / "comparisons")
+    folder = RunFolder(out, log=lambda m: None).claim()
+    with folder:
+        def write_files(path):
+            write(os.path.join(path, "train.jsonl"), b'{"prompt": "p"}\n')
+        write_files(out)  # the killed save's files, before save_final marks the run
+        assert not RunFolder(out).finished(model=False) and not RunFolder(out).finished()
+        folder.save_final([(None, write_files)])
+    assert RunFolder(out).finished(model=False) and not RunFolder(out).finished()  # no model: not a model's run
+
+
 def test_the_model_that_marks_a_finished_run_is_saved_last():
     order = []
     folder = RunFolder("/nowhere/out", owner=False)  # another rank's: saves (collective), records nothing

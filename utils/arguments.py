@@ -237,6 +237,9 @@ def add_offload_reference_arg(group) -> None:
                        help="ZeRO-Offload the frozen reference model (step 3: and the EMA actor) to CPU.")
 
 
+TENSORBOARD_PATHS = ("step1_tensorboard", "step2_tensorboard", "step3_tensorboard")  # each step's default
+
+
 def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str):
     g = parser.add_argument_group("logging")
     g.add_argument("--enable_tensorboard", action="store_true", help="Write tensorboard scalars.")
@@ -378,6 +381,10 @@ def validate_common(args) -> None:
     if getattr(args, "add_eot_token", False) and not args.eot_token.strip():
         raise UserInputError("--add_eot_token needs a non-empty --eot_token")
     check_lora_flags_apply(args)
+    if not getattr(args, "enable_tensorboard", True) and \
+            getattr(args, "tensorboard_path", TENSORBOARD_PATHS[0]) not in TENSORBOARD_PATHS:
+        raise UserInputError(f"--tensorboard_path {args.tensorboard_path} would not be used without "
+                             "--enable_tensorboard; add it, or drop --tensorboard_path")
     if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 1) <= 0:
         raise UserInputError("--only_optimize_lora needs --lora_dim > 0")
     if getattr(args, "output_dir", "x") is None:

@@ -1,6 +1,7 @@
 """How an entry point ends: one clear line and a documented exit code for each way a run can fail."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -39,7 +40,8 @@ def out_of_memory_message(e: BaseException) -> str:
 def run_main(main: Callable, args) -> None:
     """Run an entry point: bad input ends with one clear line and exit code 2 (so does a full disk, from any
     writer), divergence with exit code 3, running out of GPU memory with one line naming the remedies and exit
-    code 4, Ctrl-C with one line saying where the run stopped and how to resume, exit code 130 (before this,
+    code 4, Ctrl-C with one line saying where the run stopped and how to resume, exit code 130, a reader of the
+    output that went away (`| head`) quietly with exit code 141 (before this,
     :func:`utils.interrupt.exit_quietly_on_ctrl_c` covers the imports and the parsing of the flags). What the
     output folder does on each (``--overwrite``'s earlier run put back, or named as gone) is the run's
     :class:`~utils.run_folder.RunFolder`'s business, inside ``main``."""
@@ -59,6 +61,9 @@ def run_main(main: Callable, args) -> None:
     except torch.OutOfMemoryError as e:
         print(error_line(e, out_of_memory_message(e)), file=sys.stderr, flush=True)
         sys.exit(OUT_OF_MEMORY)
+    except BrokenPipeError:  # the reader of the output went away (`chat.py | head`): stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail too
+        sys.exit(128 + signal.SIGPIPE)
     except Exception as e:  # the machine's state from any writer (a full disk…): one line, not a traceback
         line = machine_write_failure_line(e)
         if line is None:

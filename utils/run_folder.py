@@ -162,11 +162,14 @@ class RunFolder:
         ok = isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and isinstance(data.get("entries"), list)
         return data if ok else None
 
-    def finished(self) -> bool:
-        """A finished run: a model, and (when there is a manifest) the final save completed."""
+    def finished(self, model: bool = True) -> bool:
+        """A finished run: a model, and (when there is a manifest) the final save completed. ``model`` False: a run
+        whose result is not a model (the comparison collector's files): the manifest's word alone."""
+        data = self.manifest()
+        if not model:
+            return bool(data and data.get("finished"))
         if self.model_dir() is None:
             return False
-        data = self.manifest()
         return data is None or bool(data.get("finished"))
 
     def run_id(self) -> Optional[str]:

@@ -7,7 +7,7 @@ answers come back next to each other, in prompt order.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -69,6 +69,26 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
                 if progress is not None:
                     progress(len(chunk))
     return answers
+
+
+def prompt_ids(tokenizer, prompt: str, chat=None) -> list:
+    """The token ids a model is prompted with: in its chat template's format with ``chat``, else the text's."""
+    from utils.data.chat_template import dschat_messages
+
+    return chat.prompt_ids(dschat_messages(prompt)) if chat is not None else tokenizer(prompt).input_ids
+
+
+def check_room(flag: str, positions: Optional[int], tokenizer, chat, prompts: list, max_new_tokens: int) -> None:
+    """Every prompt and ``max_new_tokens`` fit the model's ``positions`` (None: unknown, not checked; a learned
+    position table fails with an IndexError past its end): refused with the numbers before anything is generated."""
+    from utils.errors import UserInputError
+
+    if not positions or not prompts:
+        return
+    longest = max(len(prompt_ids(tokenizer, p, chat)) for p in prompts)
+    if longest + max_new_tokens > positions:
+        raise UserInputError(f"--max_new_tokens {max_new_tokens}: the longest prompt has {longest} tokens and {flag} "
+                             f"has {positions} positions, so at most {max(positions - longest, 0)} new tokens fit")
 
 
 def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: bool = False):
