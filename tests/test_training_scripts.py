@@ -157,7 +157,9 @@ def test_train_py_hands_step_args_overwrite_and_hostfile_to_each_per_size_script
     hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
     out = tmp_path / "out"
     argv = ["--actor-model", actor, "--reward-model", "350m", "--deployment-type", deployment,
-            "--hostfile", str(hostfile), "--output-dir", str(out), "--overwrite"]
+            "--output-dir", str(out), "--overwrite"]
+    if deployment == "multi_node":  # elsewhere --hostfile is refused (it would not be used)
+        argv += ["--hostfile", str(hostfile)]
     for n in (1, 2, 3):
         argv += [f"--step{n}-args", f"--num_train_epochs {n + 2} --seed {n}"]
     args = train.parse_args(argv)
