@@ -55,7 +55,7 @@ EXAMPLES = 3  # answers shown before and after
 
 def score_constrained(rows: list, answers: list) -> dict:
     """Strict compliance, per type, and the content guards on the constrained held-out answers."""
-    from utils.ifeval import BARE_WORDS, check, instructions_of, other_words, unigram_f1
+    from utils.ifeval import check, instructions_of, other_words, unigram_f1
 
     strict, per_type, f1, lengths, bare = [], {}, [], [], []
     for row, answer in zip(rows, answers):
@@ -67,7 +67,7 @@ def score_constrained(rows: list, answers: list) -> dict:
         f1.append(unigram_f1(answer, row["reference_output"]))
         if not any(i in LENGTH_TYPES for i, _ in pairs):
             lengths.append(len(answer.split()))
-        bare.append(other_words(row, answer) < BARE_WORDS)
+        bare.append(other_words(row, answer) < 5)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {"strict": mean(strict), "per_type": {t: mean(v) for t, v in sorted(per_type.items())},
             "type_counts": {t: len(v) for t, v in sorted(per_type.items())}, "f1": mean(f1),

@@ -445,7 +445,6 @@ def compliance(row: dict, answer: str) -> float:
 # kwargs whose values an answer must write out: what a "bare" answer consists of
 _REQUIRED_TEXT = ("end_phrase", "keywords", "postscript_marker", "prompt_to_repeat", "keyword")
 GUARD_WORDS = 10  # an answer with this many words besides the required text counts as an answer
-BARE_WORDS = 5  # fewer words than this besides the required text: the answer is "bare", only the constraint
 
 
 def other_words(row: dict, answer: str) -> int:
@@ -468,16 +467,13 @@ def word_limit(row: dict) -> Optional[int]:
 
 
 def substance(row: dict, answer: str) -> float:
-    """In [0, 1]: 0 for a bare answer (fewer than :data:`BARE_WORDS` words besides the required text), rising
-    linearly to 1 at :data:`GUARD_WORDS` words (half the word limit under "less than N words", if that is fewer;
-    the bare floor moves down with it). Compliance alone pays an answer that is only the constraint ("That is
-    all.", the keyword alone): a 135M model learns that in 20 steps of GRPO (see docs/real-model.md); with a
-    linear guard from 0 words, "P.S. I hope this helps." still earned 0.4, more than a real answer that misses
-    the constraint, so a bare answer earns nothing."""
+    """In [0, 1]: 1 when the answer has at least :data:`GUARD_WORDS` words besides the required text (half the word
+    limit under "less than N words", if that is fewer), proportionally less below. Compliance alone pays an
+    answer that is only the constraint ("That is all.", the keyword alone): a 135M model learns that in 20
+    steps of GRPO (see docs/real-model.md)."""
     limit = word_limit(row)
     needed = GUARD_WORDS if limit is None else max(1, min(GUARD_WORDS, limit // 2))
-    floor = min(BARE_WORDS, needed) - 1  # at most this many words: nothing
-    return min(1.0, max(0.0, (other_words(row, answer) - floor) / (needed - floor)))
+    return min(1.0, other_words(row, answer) / needed)
 
 
 CONTENT_WEIGHT = 0.5  # weight of the content term (unigram F1 against the row's reference answer)
