@@ -172,8 +172,8 @@ def epoch_batches(loaders, position, args, log, desc: str, per_step: int):
     total = micro_batches_to_run(available, args.max_steps, position.step, per_step)
     log.info(f"Beginning of Epoch {position.epoch + 1}/{args.num_train_epochs}, Total Micro Batches {available}"
              + (f" ({total} of them run: --max_steps {args.max_steps})" if total < available else ""))
-    batches = live[0] if single else (tuple(next(parts) if loader is not None else None for loader in group)
-                                      for parts in (iter(row) for row in zip(*live)))
+    # a None loader stands in as an endless None: the pairs end with the shortest real loader
+    batches = live[0] if single else zip(*(itertools.repeat(None) if loader is None else loader for loader in group))
     for position.batches_in_epoch, batch in enumerate(log.progress(batches, desc=desc, total=total), start=skip + 1):
         yield batch
         if _finished(position, args.max_steps):
