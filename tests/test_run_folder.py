@@ -92,6 +92,31 @@ def test_the_manifest_lists_what_the_run_wrote_and_finished_means_the_final_save
     assert manifest(step3)["entries"] == ["actor", "checkpoints", "critic", "metrics.jsonl"]
 
 
+def test_a_file_dropped_into_the_folder_while_the_run_goes_on_stays_the_users(tmp_path):
+    """Only what the run's writers name is the run's: its fixed entries (metrics, checkpoints), the paths it was
+    told it writes (a data cache inside the folder), and what its final saves made. A file a user puts into the
+    folder mid-run is not recorded, so a later --overwrite leaves it."""
+    out = tmp_path / "out"
+    folder = RunFolder(str(out), log=lambda m: None).claim()
+    with folder:
+        folder.will_write(str(out / "data" / "cache"), str(tmp_path / "elsewhere"), str(out))
+        write(out / "data" / "cache" / "train.pt", b"cache")
+        write(out / "metrics.jsonl", b'{"step": 1}\n')
+        write(out / "notes_while_training.md", b"mine")
+        folder.step_done(1)
+        write(out / "checkpoints" / "step-00000001" / "state.pt", b"state")
+        folder.checkpoint_saved(1, str(out / "checkpoints"))
+        write(out / "later_notes.md", b"mine too")
+        folder.save_final([(None, save_model(b"weights"))])
+    assert manifest(out)["entries"] == ["checkpoints", "config.json", "data", "metrics.jsonl", "model.safetensors",
+                                        "tokenizer.json"]
+    assert RunFolder(str(out)).ours()[1] == ["later_notes.md", "notes_while_training.md"]
+    with RunFolder(str(out), log=lambda m: None).claim(overwrite=True) as again:
+        again.step_done(1)
+    assert (out / "notes_while_training.md").read_bytes() == b"mine" and (out / "later_notes.md").exists()
+    assert not (out / "data").exists() and not (out / "model.safetensors").exists()
+
+
 def test_a_result_that_is_not_a_model_is_finished_when_its_save_completed(tmp_path):
     """The comparison collector's folder (train.py's plan asks whether it is done): files, no model. A train.jsonl
     written by a save that was killed before the manifest said "finished" is not a finished result."""
@@ -165,9 +190,12 @@ def test_a_run_that_fails_before_its_first_step_leaves_every_byte(tmp_path):
             with RunFolder(str(out), log=lambda m: None).claim(overwrite=True):
                 write(out / "metrics.jsonl", b"the new run's\n")
                 write(out / "checkpoints" / "new", b"new")
-                write(out / "events.out.tfevents.1", b"new")
+                write(out / "ds_tensorboard_logs" / "events.out.tfevents.1", b"new")
+                write(out / "dropped_while_it_ran.txt", b"a user's")  # not the run's: stays
                 raise failure
-        assert snapshot(out) == earlier and beside(str(out)) == [".out.lock"]
+        assert snapshot(out) == {**earlier, "dropped_while_it_ran.txt": b"a user's"}
+        assert beside(str(out)) == [".out.lock"]
+        os.remove(out / "dropped_while_it_ran.txt")
     assert isinstance(raised.value, RunInterrupted)
     assert raised.value.message == "interrupted before the first training step; nothing was saved, a rerun starts " \
                                    "afresh"

@@ -294,6 +294,8 @@ def prepare_output_dir(args, log=print) -> RunFolder:
     folder = RunFolder(getattr(args, "output_dir", None), log)
     if folder.path:
         folder.claim(getattr(args, "overwrite", False), changes=lambda: changed_flags(args, folder.path))
+        folder.will_write(getattr(args, "data_output_path", None),
+                          args.tensorboard_path if getattr(args, "enable_tensorboard", False) else None)
     return folder
 
 

@@ -71,6 +71,10 @@ LEGACY_ENTRIES = frozenset((
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
     "chat_template.json", "training_format.json", "reward_model.json", "metrics.jsonl", "checkpoints", "actor",
     "critic", "actor_ema", "ds_tensorboard_logs", RUN_LOG))
+# What a run writes into its folder while it trains, under fixed names: TrainLogger's metrics, CheckpointManager's
+# default root, tensorboard's folder when --tensorboard_path is the output folder. Everything else is ours only when
+# a writer names it (RunFolder.will_write, a checkpoint root) or a final save made it (RunFolder.save_final).
+RUN_ENTRIES = frozenset(("metrics.jsonl", "checkpoints", "ds_tensorboard_logs"))
 LEGACY_SHARD = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
 
 Stamp = Tuple[int, int]  # (device, inode) of an entry: a save replaces it, a move keeps it
@@ -124,6 +128,7 @@ class RunFolder:
         self._aside: List[str] = []  # entries set aside, not settled yet
         self._deleted: List[str] = []  # entries of the earlier run this run deleted (--overwrite, after step 1)
         self._stepped = False  # an optimizer step happened in this process
+        self._named: set = set()  # entries this run's writers named (besides RUN_ENTRIES)
 
     # ------------------------------------------------------------------ layout
 
@@ -350,11 +355,22 @@ class RunFolder:
 
     # ------------------------------------------------------------------ during the run
 
+    def will_write(self, *paths: Optional[str]) -> None:
+        """This run writes ``paths`` (the data cache, tensorboard's logs, a checkpoint root): the entries of the
+        folder they lie in are the run's. Paths outside the folder are ignored."""
+        for path in paths:
+            if path and self.path:
+                rel = os.path.relpath(os.path.abspath(path), self.path)
+                if rel != os.curdir and rel.split(os.sep)[0] != os.pardir:
+                    self._named.add(rel.split(os.sep)[0])
+
     def written(self) -> List[str]:
-        """The entries this run wrote so far: new since it took the folder, or replaced (a save renames a new
-        entry into place). An entry a user edits in place keeps its inode, and stays theirs."""
+        """The entries this run wrote so far: those its writers name (:data:`RUN_ENTRIES`, :meth:`will_write`, the
+        final saves), when new since it took the folder or replaced (a save renames a new entry into place). A file
+        a user drops into the folder while the run goes on, or edits in place, stays theirs."""
         return sorted(n for n, stamp in _stamps(self.path).items()
-                      if n != MANIFEST and (self._at_claim or {}).get(n) != stamp)
+                      if n != MANIFEST and (n in RUN_ENTRIES or n in self._named)
+                      and (self._at_claim or {}).get(n) != stamp)
 
     def record(self, *names: str) -> None:
         """Add what this run wrote (and ``names``) to the manifest; writes only when something is new."""
@@ -373,6 +389,7 @@ class RunFolder:
 
     def checkpoint_saved(self, step: int, root: str) -> None:
         self.checkpoint, self.checkpoints = step, root
+        self.will_write(root)
         self.record()
 
     def resumed(self, step: int, root: str) -> None:
@@ -403,9 +420,11 @@ class RunFolder:
 
     def _undo(self) -> None:
         """Settle a run that failed before its first step (or a claim that failed half-way): see :meth:`restore`."""
-        added = [n for n in _stamps(self.path) if n not in self._at_claim] if self._at_claim is not None else []
+        added = [n for n in self.written() + [MANIFEST] if n not in self._at_claim] if self._at_claim is not None \
+            else []
         for name in added:
-            _remove(os.path.join(self.path, name))
+            if os.path.lexists(os.path.join(self.path, name)):
+                _remove(os.path.join(self.path, name))
         if MANIFEST not in added and self._at_claim is not None and self.manifest() is not None:
             self._write_manifest(self._entries(), run=self._earlier_run)  # the run it was before
         if self._aside:
@@ -426,7 +445,10 @@ class RunFolder:
         marks = (None, MODEL_SUBFOLDER)
         ordered = [s for s in saves if s[0] not in marks] + [s for s in saves if s[0] in marks]
         for count, (name, save) in enumerate(ordered, start=1):
+            before = _stamps(self.path) if self.owner else {}
             save(os.path.join(self.path, name) if name else self.path)
+            if self.owner:  # what this save made or replaced (a save of the folder moves the other entries across)
+                self._named.update(n for n, stamp in _stamps(self.path).items() if before.get(n) != stamp)
             self.record()
             fault_injection.save_point(count)  # test hook: a kill between saves must leave a folder that resumes
         if self.owner and self._claimed:
