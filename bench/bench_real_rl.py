@@ -10,9 +10,10 @@ phrase, keywords, forbidden words, word count, bullets, postscript, title, highl
 Rows:
 
 * ``grpo``: step 3 ``--advantage_estimator grpo --reward_fn ifeval_guarded`` from the model itself (its own
-  instruct tuning is step 1): 8 prompts × 4 answers a step, 128 new tokens, β 0.04 (k3, in the loss), lr 2e-5;
-  the reward is the share of constraints kept times a content guard (:func:`utils.ifeval.substance`), because
-  compliance alone pays answers that are only the constraint, plus 0.5 × the answer's unigram F1 against
+  instruct tuning is step 1): 8 prompts × 4 answers a step, 128 new tokens, β 0.04 (k3, in the loss), lr 4e-5;
+  the reward is the share of constraints kept times two guards (:func:`utils.ifeval.substance`, because
+  compliance alone pays answers that are only the constraint; :func:`utils.ifeval.variety`, because it pays
+  "P.S. … P.S. P.S." as much as one postscript), plus 0.5 × the answer's unigram F1 against
   alpaca's answer (:func:`utils.ifeval.guarded_compliance`), because keeping constraints must not cost content;
 * ``trl``: TRL's ``GRPOTrainer`` on the same data, reward, steps and settings (the peer bench's environment);
 * ``ppo``: DeepSpeed-Chat's path: the model's own answers ranked by the same checker
@@ -224,7 +225,9 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
     return ["bench/peers/trl_run.py", "grpo", "--task", "ifeval", "--model", model, "--data", data["train"], "--out",
             out, "--steps", str(opts.steps), "--batch", str(opts.prompts * opts.group), "--group", str(opts.group),
             "--answer_len", str(opts.answer_len), "--beta", str(opts.kl), "--lr", str(opts.lr), "--save",
-            os.path.join(out, "actor"), "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
+            os.path.join(out, "actor"), "--save_at", ",".join(str(s) for s in range(opts.eval_every, opts.steps,
+                                                                                     opts.eval_every)),
+            "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
 
 
 def ppo_commands(model: str, data: dict, out: str, opts) -> list:
@@ -250,6 +253,14 @@ def ppo_commands(model: str, data: dict, out: str, opts) -> list:
          "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype", "fp32", "--output_dir",
          os.path.join(out, "step3"), "--overwrite", *common],
     ]
+
+
+def trl_checkpoints(out: str) -> dict:
+    """``{step: (model folder, None)}`` of the TRL run's saves during training (``--save_at``)."""
+    found = {}
+    for path in glob.glob(os.path.join(out, "actor-step-*")):
+        found[int(path.rsplit("-", 1)[1])] = (path, None)
+    return found
 
 
 def checkpoint_weights(out: str) -> dict:
@@ -323,7 +334,7 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=4, help="answers per prompt")
     parser.add_argument("--answer_len", type=int, default=128)
     parser.add_argument("--gsm8k_tokens", type=int, default=192)
-    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--lr", type=float, default=4e-5)
     parser.add_argument("--kl", type=float, default=0.04)
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     opts = parser.parse_args(argv)
@@ -352,14 +363,15 @@ def main(argv=None):
                                                           os.path.join(opts.work, f"{row}.log"))
                 save()
             final = os.path.join(out, "actor")
-            points = checkpoint_weights(out)
+            points = {step: (opts.model, weights) for step, weights in checkpoint_weights(out).items()}
         elif row == "trl":
-            final, points = os.path.join(out, "actor"), {}
+            final = os.path.join(out, "actor")
             if not os.path.exists(final):
                 results.setdefault("wall", {})[row] = run(trl_command(opts.model, data, out, opts),
                                                           os.path.join(opts.work, f"{row}.log"),
                                                           python=os.path.join(opts.peer_venv, "bin", "python"))
                 save()
+            points = trl_checkpoints(out)
         elif row == "ppo":
             final, points = os.path.join(out, "step3", "actor"), {}
             if not os.path.exists(final):
@@ -371,10 +383,10 @@ def main(argv=None):
             raise SystemExit(f"unknown row {row!r}: grpo, trl or ppo")
         curve = results.setdefault("curve", {}).setdefault(row, {"0": {k: results["base"][k] for k in
                                                                        ("strict", "f1", "length", "bare")}})
-        for step, weights in sorted(points.items()):
+        for step, (model_dir, weights) in sorted(points.items()):
             if str(step) not in curve and step < opts.steps:
                 print(f"evaluating {row} at step {step}", flush=True)
-                r = evaluate(opts.model, data, opts, weights=weights, full=False)
+                r = evaluate(model_dir, data, opts, weights=weights, full=False)
                 curve[str(step)] = {k: r[k] for k in ("strict", "f1", "length", "bare")}
                 save()
         if row not in results:

@@ -5,6 +5,7 @@ benchmark does not rot unseen between GPU sessions (a renamed or removed flag fa
 """
 import importlib
 import importlib.util
+import os
 from argparse import Namespace
 from pathlib import Path
 
@@ -162,6 +163,14 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     args.dtype = "fp32"
     validate_step3(args)
     assert args.advantage_estimator == "gae" and args.max_steps == 22
+    trl = bench.trl_command("model", data, str(tmp_path / "trl"), opts)  # the peer's row: same settings
+    flags = dict(zip(trl[2::2], trl[3::2]))
+    assert trl[:2] == ["bench/peers/trl_run.py", "grpo"] and flags["--save_at"] == "11"
+    assert (flags["--steps"], flags["--batch"], flags["--group"], flags["--lr"]) == ("22", "32", "4", "1e-05")
+    for step in (11, 5):
+        os.makedirs(tmp_path / "trl" / f"actor-step-{step}")
+    assert bench.trl_checkpoints(str(tmp_path / "trl")) == {s: (str(tmp_path / "trl" / f"actor-step-{s}"), None)
+                                                            for s in (5, 11)}
 
 
 @pytest.mark.parametrize("name", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce", "dapo", "gspo",

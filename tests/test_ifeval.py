@@ -361,6 +361,19 @@ def test_the_guard_pays_nothing_for_an_answer_that_is_only_the_constraint():
     assert call_reward_fn(fn, "ifeval_guarded", ["p", "p"], ["That is all.", answer], [end, end]) == [0.0, 1.0]
 
 
+def test_the_guard_pays_a_repeated_answer_its_share_of_distinct_trigrams():
+    from utils.ifeval import guarded_compliance, variety
+
+    assert variety("a b c a b c") == pytest.approx(3 / 4)  # abc, bca, cab, abc: 3 distinct of 4
+    assert variety("Whisk the eggs, then fry.") == 1.0 and variety("too short") == 1.0 and variety("") == 1.0
+    assert variety("P.S. P.S. P.S. P.S.") == pytest.approx(2 / 6)  # p s p, s p s: 2 distinct of 6
+    ps = {"instruction_id_list": ["detectable_content:postscript"], "kwargs": [{"postscript_marker": "P.S."}]}
+    fresh = "Flour, eggs and milk make the batter; rest it an hour and fry thin rounds in butter. P.S. Enjoy them warm."
+    looped = fresh + " P.S. Enjoy them warm. P.S. Enjoy them warm. P.S. Enjoy them warm."
+    assert compliance(ps, looped) == compliance(ps, fresh) == 1.0 and guarded_compliance(ps, fresh) == 1.0
+    assert guarded_compliance(ps, looped) == pytest.approx(variety(looped)) and variety(looped) < 0.8
+
+
 def test_the_builder_draws_only_the_types_asked_for(tmp_path):
     rows = [{"instruction": f"Describe the colour number {i} of the rainbow in detail.", "input": "",
              "output": "It is a warm and bright colour seen after rain."} for i in range(30)]

@@ -476,6 +476,16 @@ def substance(row: dict, answer: str) -> float:
     return min(1.0, other_words(row, answer) / needed)
 
 
+def variety(answer: str, n: int = 3) -> float:
+    """In [0, 1]: the share of the answer's word ``n``-grams (lower-cased) that are distinct; 1 for an answer of
+    fewer than ``n + 1`` words. A checker counts a postscript marker, a title or a bullet however often it is
+    repeated: at twice the learning rate, GRPO turned answers into "P.S. … P.S. P.S. P.S." and a list of one title
+    five times (docs/real-model.md), which a repetition-blind guard pays in full."""
+    words = re.findall(r"[a-z0-9']+", (answer or "").lower())
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if len(grams) > 1 else 1.0
+
+
 CONTENT_WEIGHT = 0.5  # weight of the content term (unigram F1 against the row's reference answer)
 
 
@@ -493,10 +503,11 @@ def unigram_f1(answer: str, reference: str) -> float:
 
 
 def guarded_compliance(row: dict, answer: str) -> float:
-    """:func:`compliance` × :func:`substance` (the share of the instructions kept, by an answer that answers), plus
+    """:func:`compliance` × :func:`substance` × :func:`variety` (the share of the instructions kept, by an answer
+    that answers without repeating itself), plus
     :data:`CONTENT_WEIGHT` × :func:`unigram_f1` against the row's ``reference_output`` where it has one (the
     builder's rows carry alpaca's answer; IFEval's own rows do not, and the term is 0): keeping the constraints
     must not cost the answer its content."""
     reference = row.get("reference_output") if isinstance(row, dict) else None
     content = CONTENT_WEIGHT * unigram_f1(answer, reference) if isinstance(reference, str) and reference else 0.0
-    return compliance(row, answer) * substance(row, answer) + content
+    return compliance(row, answer) * substance(row, answer) * variety(answer) + content

@@ -23,7 +23,9 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
 * ``ifeval``: the share of the row's IFEval instructions (``instruction_id_list`` and ``kwargs``) the
   answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``;
 * ``ifeval_guarded``: that share times a content guard (:func:`utils.ifeval.substance`: 10 words besides the
-  constraint's own text), so an answer that is only the end phrase or the keyword earns nothing, plus 0.5 ×
+  constraint's own text), so an answer that is only the end phrase or the keyword earns nothing, and times the
+  share of its word trigrams that are distinct (:func:`utils.ifeval.variety`: a repeated postscript or title
+  earns less), plus 0.5 ×
   the answer's unigram F1 against the row's ``reference_output`` when it has one (the builder's rows).
 
 :func:`call_reward_fn` checks what a function returns: a function that raises, returns anything but a
@@ -150,8 +152,9 @@ def ifeval(prompts: List[str], answers: List[str], rows: List[dict]) -> List[flo
 
 def ifeval_guarded(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
     """The ``ifeval`` share times the content guard (:func:`utils.ifeval.substance`: at least 10 words besides the
-    constraint's own text), so an answer that is only the required phrase or keyword earns nothing, plus the content
-    term (:func:`utils.ifeval.guarded_compliance`)."""
+    constraint's own text), so an answer that is only the required phrase or keyword earns nothing, times its share
+    of distinct word trigrams (:func:`utils.ifeval.variety`), plus the content term
+    (:func:`utils.ifeval.guarded_compliance`)."""
     from utils.ifeval import guarded_compliance
 
     return [guarded_compliance(row, answer) for answer, row in zip(answers, rows)]

@@ -100,6 +100,8 @@ def run_grpo(args, log: StepLog):
                         loss_type=args.loss_type, scale_rewards="group", epsilon=0.2, num_iterations=1)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
+    if args.save and args.save_at:
+        trainer.add_callback(save_at_steps(trainer, args.save_at, args.save))
     trainer.train()
     if args.save:
         trainer.save_model(args.save)
@@ -108,6 +110,23 @@ def run_grpo(args, log: StepLog):
     counts = [0] + log.num_tokens
     for line, (before, after) in zip(log.lines, zip(counts, counts[1:])):
         line["tokens"] = int(after - before)
+
+
+def save_at_steps(trainer, steps: str, final: str):
+    """A callback saving the model and tokenizer after each optimizer step of ``steps`` ("11" or "5,11") to
+    ``FINAL-step-N`` (the held-out curve of the real-model bench)."""
+    from transformers import TrainerCallback
+
+    wanted = {int(s) for s in steps.split(",") if s.strip()}
+
+    class Save(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in wanted:
+                path = f"{final}-step-{state.global_step}"
+                trainer.model.save_pretrained(path)
+                trainer.processing_class.save_pretrained(path)
+
+    return Save()
 
 
 def _wrap_counting(trainer, log: StepLog, counted: tuple):
@@ -187,6 +206,7 @@ def main():
     parser.add_argument("--loss_type", default="grpo",
                         help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
+    parser.add_argument("--save_at", default="", help="grpo: also save after these steps (\"11\"), to SAVE-step-N")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = StepLog(os.path.join(args.out, "steps.jsonl"), args.batch)
