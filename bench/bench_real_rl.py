@@ -40,7 +40,7 @@ import sys
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-SHARED = os.path.join(os.path.dirname(REPO), "shared", "data")
+SHARED = os.environ.get("SHARED_DATA") or os.path.join(os.path.dirname(REPO), "shared", "data")  # ../shared/data
 DEFAULT_MODEL = os.environ.get("SMOLLM2_DIR") or os.path.join(os.path.dirname(REPO), "smollm2")
 # the builder's types a 135M model samples a compliant answer for now and then (GRPO learns only from those); left
 # out: all lower / all capital letters and wrapping the answer in quotes (0 of 75 held-out greedy answers, and too
@@ -56,7 +56,7 @@ EXAMPLES = 3  # answers shown before and after
 
 def score_constrained(rows: list, answers: list) -> dict:
     """Strict compliance, per type, and the content guards on the constrained held-out answers."""
-    from utils.ifeval import check, instructions_of, other_words, unigram_f1
+    from utils.ifeval import BARE_WORDS, check, instructions_of, other_words, unigram_f1
 
     strict, per_type, f1, lengths, bare = [], {}, [], [], []
     for row, answer in zip(rows, answers):
@@ -68,7 +68,7 @@ def score_constrained(rows: list, answers: list) -> dict:
         f1.append(unigram_f1(answer, row["reference_output"]))
         if not any(i in LENGTH_TYPES for i, _ in pairs):
             lengths.append(len(answer.split()))
-        bare.append(other_words(row, answer) < 5)
+        bare.append(other_words(row, answer) < BARE_WORDS)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {"strict": mean(strict), "per_type": {t: mean(v) for t, v in sorted(per_type.items())},
             "type_counts": {t: len(v) for t, v in sorted(per_type.items())}, "f1": mean(f1),
@@ -77,9 +77,16 @@ def score_constrained(rows: list, answers: list) -> dict:
 
 # --------------------------------------------------------------------------- generation and KL
 
+def device():
+    """Where the evaluation runs: the GPU when there is one (a recipe sweep, docs/real-model.md), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load(model_dir: str, weights: str | None = None):
-    """``(model, tokenizer, chat format)``, fp32, eval mode; ``weights``: a DeepSpeed checkpoint's model states to
-    load over the folder's (a step-3 checkpoint of the run)."""
+    """``(model, tokenizer, chat format)``, fp32, eval mode, on :func:`device`; ``weights``: a DeepSpeed checkpoint's
+    model states to load over the folder's (a step-3 checkpoint of the run)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,7 +98,7 @@ def load(model_dir: str, weights: str | None = None):
     if weights:
         state = torch.load(weights, map_location="cpu", weights_only=True)["module"]
         model.load_state_dict(state)
-    return model, tokenizer, chat_format(tokenizer)
+    return model.to(device()), tokenizer, chat_format(tokenizer)
 
 
 def greedy_answers(model, tokenizer, fmt, prompts: list, max_new_tokens: int, batch_size: int = 32) -> list:
@@ -111,11 +118,11 @@ def greedy_answers(model, tokenizer, fmt, prompts: list, max_new_tokens: int, ba
         for row, i in enumerate(chunk):
             ids[row, P - len(encoded[i]):], mask[row, P - len(encoded[i]):] = torch.tensor(encoded[i]), 1
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                 eos_token_id=list(fmt.stop_ids), pad_token_id=pad, temperature=None, top_p=None,
-                                 top_k=None)
+            out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=list(fmt.stop_ids), pad_token_id=pad,
+                                 temperature=None, top_p=None, top_k=None)
         for row, i in enumerate(chunk):
-            answers[i] = tokenizer.decode(out[row, P:], skip_special_tokens=True).strip()
+            answers[i] = tokenizer.decode(out[row, P:].tolist(), skip_special_tokens=True).strip()
         print(f"    {min(start + batch_size, len(order))}/{len(order)} answers", flush=True)
     return answers
 
@@ -137,6 +144,7 @@ def kl_to_base(model, base, fmt, prompts: list, answers: list, batch_size: int =
         for r, (p, a) in enumerate(rows):
             ids[r, :len(p) + len(a)], mask[r, :len(p) + len(a)] = torch.tensor(p + a), 1
             keep[r, len(p) - 1:len(p) + len(a) - 1] = True
+        ids, mask, keep = ids.to(model.device), mask.to(model.device), keep.to(model.device)
         with torch.no_grad():
             lp = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), -1)
             lq = torch.log_softmax(base(ids, attention_mask=mask).logits.float(), -1)
@@ -211,13 +219,13 @@ def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
 def grpo_command(model: str, data: dict, out: str, opts) -> list:
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
-            "--advantage_estimator", "grpo", "--reward_fn", "ifeval_guarded", "--n_samples_per_prompt",
+            "--advantage_estimator", "grpo", "--reward_fn", opts.reward_fn, "--n_samples_per_prompt",
             str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
             "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
             "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", "1.0", "--kl_ctl",
             str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", "constant",
             "--num_warmup_steps", "0", "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype",
-            "fp32", "--seed", "1234", "--save_interval", str(opts.eval_every), "--max_checkpoints", "100",
+            "fp32", "--seed", str(opts.seed), "--save_interval", str(opts.eval_every), "--max_checkpoints", "100",
             "--output_dir", out, "--overwrite"]
 
 
@@ -336,6 +344,8 @@ def main(argv=None):
     parser.add_argument("--gsm8k_tokens", type=int, default=192)
     parser.add_argument("--lr", type=float, default=4e-5)
     parser.add_argument("--kl", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=1234, help="the GRPO row's seed (sampling, data order)")
+    parser.add_argument("--reward_fn", default="ifeval_guarded", help="the GRPO row's --reward_fn")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     opts = parser.parse_args(argv)
     if not os.path.isdir(opts.model) or not os.path.isdir(SHARED):

@@ -149,13 +149,14 @@ def test_real_rl_bench_metrics_by_hand():
 
 def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     bench = load_module("bench_real_rl")
-    opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11)
+    opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
+                     reward_fn="ifeval_guarded")
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
     args.dtype = "fp32"
     validate_step3(args)
-    assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11
+    assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
     importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
     validate_common(importlib.import_module(MAINS["2"]).parse_args(rm[1:]))

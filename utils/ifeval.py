@@ -445,6 +445,7 @@ def compliance(row: dict, answer: str) -> float:
 # kwargs whose values an answer must write out: what a "bare" answer consists of
 _REQUIRED_TEXT = ("end_phrase", "keywords", "postscript_marker", "prompt_to_repeat", "keyword")
 GUARD_WORDS = 10  # an answer with this many words besides the required text counts as an answer
+BARE_WORDS = 5  # the held-out evaluation's "bare" answer: fewer words than this besides the required text
 
 
 def other_words(row: dict, answer: str) -> int:
@@ -476,12 +477,18 @@ def substance(row: dict, answer: str) -> float:
     return min(1.0, other_words(row, answer) / needed)
 
 
+def lower_words(text: str) -> List[str]:
+    """The lower-cased words of ``text`` (letters, digits, apostrophes) that :func:`variety` and :func:`unigram_f1`
+    compare."""
+    return re.findall(r"[a-z0-9']+", (text or "").lower())
+
+
 def variety(answer: str, n: int = 3) -> float:
     """In [0, 1]: the share of the answer's word ``n``-grams (lower-cased) that are distinct; 1 for an answer of
     fewer than ``n + 1`` words. A checker counts a postscript marker, a title or a bullet however often it is
     repeated: at twice the learning rate, GRPO turned answers into "P.S. … P.S. P.S. P.S." and a list of one title
     five times (docs/real-model.md), which a repetition-blind guard pays in full."""
-    words = re.findall(r"[a-z0-9']+", (answer or "").lower())
+    words = lower_words(answer)
     grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if len(grams) > 1 else 1.0
 
@@ -493,8 +500,7 @@ def unigram_f1(answer: str, reference: str) -> float:
     """Unigram F1 of the answer's words against the reference's (bags of lower-cased words)."""
     from collections import Counter
 
-    a = Counter(re.findall(r"[a-z0-9']+", (answer or "").lower()))
-    r = Counter(re.findall(r"[a-z0-9']+", (reference or "").lower()))
+    a, r = Counter(lower_words(answer)), Counter(lower_words(reference))
     overlap = sum((a & r).values())
     if overlap == 0:
         return 0.0
