@@ -144,8 +144,9 @@ def trl_command(trainer: str, model: str, data: dict, out: str, opts) -> list:
 
 def run(python: str, cmd: list, log_path: str) -> dict:
     """Run ``python cmd`` from the repository; wall time, peak RSS (bytes) and exit status."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    import train  # the steps' environment: the repository before the caller's PYTHONPATH, this python first
+
+    env = dict(train.child_env("2"), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([python, *cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

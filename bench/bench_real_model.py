@@ -77,8 +77,9 @@ def step_commands(fmt: str, model: str, data: str, work: str, opts) -> dict:
 def run(cmd: list, log_path: str) -> float:
     """Run ``cmd`` from the repository (output to ``log_path``); its wall time. Exits on failure."""
     start = time.time()
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    import train  # the steps' environment: the repository before the caller's PYTHONPATH, this python first
+
+    env = dict(train.child_env("2"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:

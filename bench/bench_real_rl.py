@@ -26,6 +26,10 @@ constraints that do not limit length, the share of answers that are little more 
 than 5 words besides its required text); KL to the base model (per answer, on the model's own greedy answers);
 GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps are evaluated too (compliance
 and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
+
+``--seed`` and ``--reward_fn`` change the GRPO row (a recipe's spread over seeds: docs/real-model.md); the
+evaluation runs on the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is
+not beside the checkout.
 """
 from __future__ import annotations
 
@@ -205,8 +209,9 @@ def build_data(work: str) -> dict:
 
 
 def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    import train  # the steps' environment: the repository before the caller's PYTHONPATH, this python first
+
+    env = dict(train.child_env("2"), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     print(f"$ {shlex.join(cmd)}", flush=True)
     start = time.time()
     with open(log_path, "w") as log:

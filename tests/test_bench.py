@@ -147,6 +147,28 @@ def test_real_rl_bench_metrics_by_hand():
     assert r["bare"] == 0.5  # the second answer has one word (fewer than 5 besides any required text)
 
 
+def test_real_rl_bench_evaluates_on_the_gpu_only_when_there_is_one(monkeypatch):
+    import torch
+
+    bench = load_module("bench_real_rl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.device() == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.device() == torch.device("cpu")
+
+
+def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatch, tmp_path):
+    """Packages installed with ``pip install --target DIR`` and PYTHONPATH=DIR (the GPU machine's deepspeed) reach
+    the steps a bench starts: the repository comes first, the caller's path after it."""
+    import sys
+
+    bench = load_module("bench_real_rl")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    log = tmp_path / "log"
+    bench.run(["-c", "import os; print(os.environ['PYTHONPATH'])"], str(log), python=sys.executable)
+    assert log.read_text().split() == [os.pathsep.join([str(REPO), str(tmp_path / "site")])]
+
+
 def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
