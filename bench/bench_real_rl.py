@@ -27,9 +27,11 @@ than 5 words besides its required text); KL to the base model (per answer, on th
 GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps are evaluated too (compliance
 and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
 
-``--seed`` and ``--reward_fn`` change the GRPO row (a recipe's spread over seeds: docs/real-model.md); the
-evaluation runs on the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is
-not beside the checkout.
+``--seed``, ``--temperature``, ``--schedule`` and ``--warmup`` change the GRPO and TRL rows alike, ``--reward_fn``
+the GRPO row; one run is one seed, and a recipe's runs spread over 10 to 20 points, so judge a recipe on several
+(docs/real-model.md), each in its own ``--work``, and print them with ``--summarize WORK WORK …`` (each row's mean
+and range). The training and the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data
+folder where ``../shared/data`` is not beside the checkout.
 """
 from __future__ import annotations
 
@@ -180,7 +182,8 @@ def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full:
         plain_answers = greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in plain], opts.answer_len)
         from utils.ifeval import unigram_f1
 
-        result["plain_f1"] = sum(unigram_f1(a, r["reference_output"]) for a, r in zip(plain_answers, plain)) / len(plain)
+        f1 = [unigram_f1(a, r["reference_output"]) for a, r in zip(plain_answers, plain)]
+        result["plain_f1"] = sum(f1) / len(plain)
         result["plain_length"] = sum(len(a.split()) for a in plain_answers) / len(plain)
         result["gsm8k"] = gsm8k_accuracy(model, tokenizer, fmt, data["gsm8k"], opts.gsm8k_tokens)
         if base is not None:
@@ -204,7 +207,8 @@ def build_data(work: str) -> dict:
                         "1234", "--heldout", "220", "--types", ",".join(TYPES)], cwd=REPO, check=True)
     with open(os.path.join(SHARED, "gsm8k", "test.jsonl")) as f:
         gsm8k = [json.loads(line) for _, line in zip(range(200), f)]
-    return {"dir": out, "train": os.path.join(out, "train.jsonl"), "heldout": read_jsonl(os.path.join(out, "heldout.jsonl")),
+    return {"dir": out, "train": os.path.join(out, "train.jsonl"),
+            "heldout": read_jsonl(os.path.join(out, "heldout.jsonl")),
             "heldout_plain": read_jsonl(os.path.join(out, "heldout_plain.jsonl")), "gsm8k": gsm8k}
 
 
@@ -227,17 +231,19 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--advantage_estimator", "grpo", "--reward_fn", opts.reward_fn, "--n_samples_per_prompt",
             str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
             "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
-            "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", "1.0", "--kl_ctl",
-            str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", "constant",
-            "--num_warmup_steps", "0", "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype",
-            "fp32", "--seed", str(opts.seed), "--save_interval", str(opts.eval_every), "--max_checkpoints", "100",
-            "--output_dir", out, "--overwrite"]
+            "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", str(opts.temperature),
+            "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", opts.schedule,
+            "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
+            "--dtype", "fp32", "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
+            "--max_checkpoints", "100", "--output_dir", out, "--overwrite"]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
     return ["bench/peers/trl_run.py", "grpo", "--task", "ifeval", "--model", model, "--data", data["train"], "--out",
             out, "--steps", str(opts.steps), "--batch", str(opts.prompts * opts.group), "--group", str(opts.group),
-            "--answer_len", str(opts.answer_len), "--beta", str(opts.kl), "--lr", str(opts.lr), "--save",
+            "--answer_len", str(opts.answer_len), "--beta", str(opts.kl), "--lr", str(opts.lr), "--lr_scheduler",
+            opts.schedule, "--warmup", str(opts.warmup), "--temperature", str(opts.temperature), "--seed",
+            str(opts.seed), "--save",
             os.path.join(out, "actor"), "--save_at", ",".join(str(s) for s in range(opts.eval_every, opts.steps,
                                                                                      opts.eval_every)),
             "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
@@ -313,6 +319,33 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(runs: dict) -> str:
+    """``runs``: ``{name: results.json of one bench run}`` (a recipe's seeds, each in its own ``--work``). One line
+    per trained row of each run, with the types that fell more than 3 points below that run's base, then each
+    row's mean strict compliance, its gain over the base and its range: a recipe judged on several seeds."""
+    head = ("| run | row | strict | F1 constrained / plain | length | bare | KL | GSM8K | types falling > 3 points |")
+    lines, strict = [head, "|---|---|---|---|---|---|---|---|---|"], {}
+    for name, results in runs.items():
+        base = results["base"]
+        for row in ("grpo", "trl", "ppo"):
+            if row not in results:
+                continue
+            r = results[row]
+            falls = [f"{t.split(':')[1]} {100 * (r['per_type'][t] - b):+.0f}"
+                     for t, b in base["per_type"].items() if r["per_type"][t] < b - 0.03 - 1e-9]
+            strict.setdefault(row, []).append((r["strict"], base["strict"]))
+            lines.append(f"| {name} | {row} | {r['strict']:.3f} | {r['f1']:.3f} / {r['plain_f1']:.3f} | "
+                         f"{r['length']:.1f} | {100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | "
+                         f"{100 * r['gsm8k']:.1f} % | {', '.join(falls) or 'none'} |")
+    lines.append("")
+    for row, pairs in strict.items():
+        mean = sum(s for s, _ in pairs) / len(pairs)
+        gain = mean - sum(b for _, b in pairs) / len(pairs)
+        lines.append(f"{row}: mean strict {mean:.3f} ({100 * gain:+.1f} points) over {len(pairs)} run(s), "
+                     f"range {min(s for s, _ in pairs):.3f} – {max(s for s, _ in pairs):.3f}")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: str) -> None:
     """Strict compliance and the content guards against the RL step (the held-out curve of each run)."""
     import matplotlib
@@ -349,10 +382,28 @@ def main(argv=None):
     parser.add_argument("--gsm8k_tokens", type=int, default=192)
     parser.add_argument("--lr", type=float, default=4e-5)
     parser.add_argument("--kl", type=float, default=0.04)
-    parser.add_argument("--seed", type=int, default=1234, help="the GRPO row's seed (sampling, data order)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (GRPO and TRL rows)")
+    parser.add_argument("--schedule", default="constant", help="learning-rate schedule (constant, cosine, linear)")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
+    parser.add_argument("--seed", type=int, default=1234, help="the GRPO and TRL rows' seed (sampling, data order)")
     parser.add_argument("--reward_fn", default="ifeval_guarded", help="the GRPO row's --reward_fn")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
+    parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
+                        "--work folder each: the seeds of a recipe) with each row's mean, and stop")
     opts = parser.parse_args(argv)
+    if opts.summarize:
+        runs = {}
+        for work in opts.summarize:
+            path = os.path.join(work, "results.json")
+            if not os.path.exists(path):
+                raise SystemExit(f"bench_real_rl: no {path}: not a finished run's --work folder")
+            with open(path) as f:
+                results = json.load(f)
+            if "base" not in results:
+                raise SystemExit(f"bench_real_rl: {path} has no base model's evaluation: not a finished run")
+            runs[os.path.basename(os.path.normpath(work))] = results
+        print(seeds_table(runs))
+        return 0
     if not os.path.isdir(opts.model) or not os.path.isdir(SHARED):
         print(f"bench_real_rl: needs the model folder {opts.model} and {SHARED}; skipped")
         return 0

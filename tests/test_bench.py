@@ -5,6 +5,7 @@ benchmark does not rot unseen between GPU sessions (a renamed or removed flag fa
 """
 import importlib
 import importlib.util
+import json
 import os
 from argparse import Namespace
 from pathlib import Path
@@ -147,6 +148,32 @@ def test_real_rl_bench_metrics_by_hand():
     assert r["bare"] == 0.5  # the second answer has one word (fewer than 5 besides any required text)
 
 
+def test_real_rl_bench_summarizes_a_recipes_seeds(tmp_path, capsys):
+    """``--summarize`` reads finished runs' results and prints each run's line and each row's mean over runs."""
+    bench = load_module("bench_real_rl")
+
+    def evaluation(strict, postscript, commas):
+        return {"strict": strict, "per_type": {"detectable_content:postscript": postscript,
+                                               "punctuation:no_comma": commas},
+                "f1": 0.25, "plain_f1": 0.3, "length": 60.0, "bare": 0.01, "kl": 4.0, "gsm8k": 0.02}
+
+    base = evaluation(0.40, 0.43, 0.39)
+    runs = {"s1": {"base": base, "grpo": evaluation(0.52, 0.92, 0.37)},  # commas -2: within 3 points
+            "s2": {"base": base, "grpo": evaluation(0.40, 0.76, 0.22), "trl": evaluation(0.47, 0.95, 0.39)}}
+    for name, results in runs.items():
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    assert bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "s2")]) == 0
+    out = capsys.readouterr().out
+    assert "| s1 | grpo | 0.520 | 0.250 / 0.300 | 60.0 | 1.0 % | 4.00 | 2.0 % | none |" in out
+    assert "| s2 | grpo | 0.400 |" in out and out.count("no_comma -17") == 1
+    assert "grpo: mean strict 0.460 (+6.0 points) over 2 run(s), range 0.400 – 0.520" in out
+    assert "trl: mean strict 0.470 (+7.0 points) over 1 run(s)" in out
+    os.makedirs(tmp_path / "unfinished")
+    with pytest.raises(SystemExit, match="not a finished run"):
+        bench.main(["--summarize", str(tmp_path / "unfinished")])
+
+
 def test_real_rl_bench_evaluates_on_the_gpu_only_when_there_is_one(monkeypatch):
     import torch
 
@@ -172,13 +199,14 @@ def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatc
 def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
-                     reward_fn="ifeval_guarded")
+                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2)
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
     args.dtype = "fp32"
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
+    assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
     collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
     importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
     validate_common(importlib.import_module(MAINS["2"]).parse_args(rm[1:]))
@@ -190,6 +218,10 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     flags = dict(zip(trl[2::2], trl[3::2]))
     assert trl[:2] == ["bench/peers/trl_run.py", "grpo"] and flags["--save_at"] == "11"
     assert (flags["--steps"], flags["--batch"], flags["--group"], flags["--lr"]) == ("22", "32", "4", "1e-05")
+    assert (flags["--temperature"], flags["--lr_scheduler"], flags["--warmup"], flags["--seed"]) == ("0.7", "cosine",
+                                                                                                    "2", "7")
+    peer = load_module("peers/trl_run")
+    assert peer.parse_args(trl[1:]).lr_scheduler == "cosine"  # TRL's runner takes every flag the bench passes
     for step in (11, 5):
         os.makedirs(tmp_path / "trl" / f"actor-step-{step}")
     assert bench.trl_checkpoints(str(tmp_path / "trl")) == {s: (str(tmp_path / "trl" / f"actor-step-{s}"), None)

@@ -374,6 +374,28 @@ def test_the_guard_pays_a_repeated_answer_its_share_of_distinct_trigrams():
     assert guarded_compliance(ps, looped) == pytest.approx(variety(looped)) and variety(looped) < 0.8
 
 
+def test_the_content_term_pays_nothing_for_a_forbidden_word():
+    """The builder draws forbidden words from alpaca's answer, the very text the content term compares with: a
+    term that counted them paid for breaking the instruction (a little: +0.009 on average for writing them into
+    alpaca's own answer; docs/real-model.md). They are taken out of the reference."""
+    from utils.ifeval import CONTENT_WEIGHT, forbidden_words, guarded_compliance, unigram_f1
+
+    assert unigram_f1("mix flour and eggs", "Mix flour and eggs.") == 1.0
+    # reference {mix, and, eggs}; answer {mix, flour, and, eggs}: overlap 3, precision 3/4, recall 1
+    assert unigram_f1("mix flour and eggs", "Mix flour and eggs.", leave_out=["Flour"]) == pytest.approx(6 / 7)
+    assert unigram_f1("flour", "flour", leave_out=["flour"]) == 0.0
+    row = {"instruction_id_list": ["keywords:forbidden_words", "detectable_content:postscript"],
+           "kwargs": [{"forbidden_words": ["flour", "butter"]}, {"postscript_marker": "P.S."}],
+           "reference_output": "Whisk flour, eggs and milk, then fry in butter."}
+    assert forbidden_words(row) == ["flour", "butter"] and forbidden_words({"instruction_id_list": ["punctuation"
+                                                                                                 ":no_comma"]}) == []
+    breaks = "Whisk flour, eggs and milk, then fry in butter."  # the reference itself: both words, no P.S.
+    # compliance 0 (forbidden words used, no postscript): only the content term, which no longer counts them:
+    # reference {whisk, eggs, and, milk, then, fry, in} (7) against the answer's 9 words: F1 = 2·7/(9+7)
+    assert guarded_compliance(row, breaks) == pytest.approx(CONTENT_WEIGHT * 14 / 16)
+    assert guarded_compliance(row, breaks) < CONTENT_WEIGHT * unigram_f1(breaks, row["reference_output"])
+
+
 def test_the_builder_draws_only_the_types_asked_for(tmp_path):
     rows = [{"instruction": f"Describe the colour number {i} of the rainbow in detail.", "input": "",
              "output": "It is a warm and bright colour seen after rain."} for i in range(30)]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from utils.errors import UserInputError
 
@@ -496,11 +496,13 @@ def variety(answer: str, n: int = 3) -> float:
 CONTENT_WEIGHT = 0.5  # weight of the content term (unigram F1 against the row's reference answer)
 
 
-def unigram_f1(answer: str, reference: str) -> float:
-    """Unigram F1 of the answer's words against the reference's (bags of lower-cased words)."""
+def unigram_f1(answer: str, reference: str, leave_out: Iterable[str] = ()) -> float:
+    """Unigram F1 of the answer's words against the reference's (bags of lower-cased words); the words of
+    ``leave_out`` are taken out of the reference (an answer that writes them matches nothing with them)."""
     from collections import Counter
 
-    a, r = Counter(lower_words(answer)), Counter(lower_words(reference))
+    dropped = {w for text in leave_out for w in lower_words(text)}
+    a, r = Counter(lower_words(answer)), Counter(w for w in lower_words(reference) if w not in dropped)
     overlap = sum((a & r).values())
     if overlap == 0:
         return 0.0
@@ -508,12 +510,20 @@ def unigram_f1(answer: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def forbidden_words(row: dict) -> List[str]:
+    """The words a row's ``keywords:forbidden_words`` instructions forbid (none: ``[]``)."""
+    return [w for i, args in instructions_of(row) if i == "keywords:forbidden_words" for w in args["forbidden_words"]]
+
+
 def guarded_compliance(row: dict, answer: str) -> float:
     """:func:`compliance` × :func:`substance` × :func:`variety` (the share of the instructions kept, by an answer
     that answers without repeating itself), plus
     :data:`CONTENT_WEIGHT` × :func:`unigram_f1` against the row's ``reference_output`` where it has one (the
     builder's rows carry alpaca's answer; IFEval's own rows do not, and the term is 0): keeping the constraints
-    must not cost the answer its content."""
+    must not cost the answer its content. The row's forbidden words are left out of that reference: the builder
+    draws them from it, and a term that counted them paid for writing them."""
     reference = row.get("reference_output") if isinstance(row, dict) else None
-    content = CONTENT_WEIGHT * unigram_f1(answer, reference) if isinstance(reference, str) and reference else 0.0
+    content = 0.0
+    if isinstance(reference, str) and reference:  # the forbidden words are drawn from that answer: not paid for
+        content = CONTENT_WEIGHT * unigram_f1(answer, reference, leave_out=forbidden_words(row))
     return compliance(row, answer) * substance(row, answer) * variety(answer) + content

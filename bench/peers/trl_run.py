@@ -52,10 +52,18 @@ class StepLog:
         self.num_tokens = []
 
 
+def on_gpu() -> bool:
+    """Train on the GPU when there is one (the real-model bench's seed sweep), else on the CPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def common_args(args) -> dict:
     return dict(output_dir=os.path.join(args.out, "trl"), max_steps=args.steps, logging_steps=1,
-                learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False,
-                fp16=False, report_to=[], save_strategy="no", eval_strategy="no", seed=1234,
+                learning_rate=args.lr, lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup,
+                use_cpu=not on_gpu(), bf16=False, fp16=False, report_to=[], save_strategy="no", eval_strategy="no",
+                seed=args.seed,
                 gradient_checkpointing=False, gradient_accumulation_steps=1, dataloader_num_workers=0,
                 model_init_kwargs={"dtype": "float32"})
 
@@ -96,8 +104,8 @@ def run_grpo(args, log: StepLog):
     data, reward = grpo_task(args)
 
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
-                        max_completion_length=args.answer_len, temperature=1.0, top_p=1.0, top_k=0, beta=args.beta,
-                        loss_type=args.loss_type, scale_rewards="group", epsilon=0.2, num_iterations=1)
+                        max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
+                        beta=args.beta, loss_type=args.loss_type, scale_rewards="group", epsilon=0.2, num_iterations=1)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     if args.save and args.save_at:
@@ -189,7 +197,7 @@ def run_dpo(args, log: StepLog):
 RUNNERS = {"grpo": run_grpo, "sft": run_sft, "rm": run_rm, "dpo": run_dpo}
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trainer", choices=sorted(RUNNERS))
     parser.add_argument("--model", required=True)
@@ -202,12 +210,20 @@ def main():
     parser.add_argument("--max_len", type=int, default=512)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--lr_scheduler", default="constant", help="TRL's lr_scheduler_type (constant, cosine, …)")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="grpo: sampling temperature")
     parser.add_argument("--task", choices=("gsm8k", "ifeval"), default="gsm8k", help="grpo: data and reward")
     parser.add_argument("--loss_type", default="grpo",
                         help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     parser.add_argument("--save_at", default="", help="grpo: also save after these steps (\"11\"), to SAVE-step-N")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = StepLog(os.path.join(args.out, "steps.jsonl"), args.batch)
     RUNNERS[args.trainer](args, log)
