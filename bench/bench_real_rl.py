@@ -225,10 +225,14 @@ def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
     return time.time() - start
 
 
+# The GRPO row's --advantage_estimator and the TRL row's scale_rewards that makes the same advantages
+TRL_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
+
+
 def grpo_command(model: str, data: dict, out: str, opts) -> list:
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
-            "--advantage_estimator", "grpo", "--reward_fn", opts.reward_fn, "--n_samples_per_prompt",
+            "--advantage_estimator", opts.estimator, "--loss_agg", "token_mean", "--reward_fn", opts.reward_fn, "--n_samples_per_prompt",
             str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
             "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
             "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", str(opts.temperature),
@@ -246,6 +250,7 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             str(opts.seed), "--save",
             os.path.join(out, "actor"), "--save_at", ",".join(str(s) for s in range(opts.eval_every, opts.steps,
                                                                                      opts.eval_every)),
+            "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator],
             "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
 
 
@@ -297,6 +302,13 @@ ROW_NAMES = {"base": "SmolLM2-135M-Instruct", "grpo": "+ step 3 GRPO (this proje
              "ppo": "+ comparisons → step 2 → step 3 PPO"}
 
 
+def metric_cells(r: dict) -> str:
+    """One evaluated model's cells of both tables: strict | F1 constrained / plain | length | bare | KL | GSM8K."""
+    nan = float("nan")
+    return (f"{r['strict']:.3f} | {r['f1']:.3f} / {r.get('plain_f1', nan):.3f} | {r['length']:.1f} | "
+            f"{100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | {100 * r.get('gsm8k', nan):.1f} %")
+
+
 def table(results: dict) -> str:
     """The held-out table (markdown): one row per model, the base first."""
     rows = [name for name in ("base", "grpo", "trl", "ppo") if name in results]
@@ -306,9 +318,7 @@ def table(results: dict) -> str:
     for name in rows:
         r = results[name]
         wall = results.get("wall", {}).get(name)
-        lines.append(f"| {ROW_NAMES[name]} | {r['strict']:.3f} | {r['f1']:.3f} / {r.get('plain_f1', float('nan')):.3f} "
-                     f"| {r['length']:.1f} | {100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | "
-                     f"{100 * r.get('gsm8k', float('nan')):.1f} % | {f'{wall / 60:.0f} min' if wall else '—'} |")
+        lines.append(f"| {ROW_NAMES[name]} | {metric_cells(r)} | {f'{wall / 60:.0f} min' if wall else '—'} |")
     types = sorted(results["base"]["per_type"])
     lines += ["", "| type (held-out count) | " + " | ".join(ROW_NAMES[n].split(" (")[0] for n in rows) + " |",
               "|---|" + "---|" * len(rows)]
@@ -334,9 +344,7 @@ def seeds_table(runs: dict) -> str:
             falls = [f"{t.split(':')[1]} {100 * (r['per_type'][t] - b):+.0f}"
                      for t, b in base["per_type"].items() if r["per_type"][t] < b - 0.03 - 1e-9]
             strict.setdefault(row, []).append((r["strict"], base["strict"]))
-            lines.append(f"| {name} | {row} | {r['strict']:.3f} | {r['f1']:.3f} / {r['plain_f1']:.3f} | "
-                         f"{r['length']:.1f} | {100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | "
-                         f"{100 * r['gsm8k']:.1f} % | {', '.join(falls) or 'none'} |")
+            lines.append(f"| {name} | {row} | {metric_cells(r)} | {', '.join(falls) or 'none'} |")
     lines.append("")
     for row, pairs in strict.items():
         mean = sum(s for s, _ in pairs) / len(pairs)
@@ -386,6 +394,9 @@ def main(argv=None):
     parser.add_argument("--schedule", default="constant", help="learning-rate schedule (constant, cosine, linear)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
     parser.add_argument("--seed", type=int, default=1234, help="the GRPO and TRL rows' seed (sampling, data order)")
+    parser.add_argument("--estimator", choices=sorted(TRL_SCALE_REWARDS), default="grpo",
+                        help="the GRPO row's --advantage_estimator: grpo divides a group's centred scores by their "
+                        "std, dr_grpo does not (TRL's row: scale_rewards group / none); both rows take the token mean")
     parser.add_argument("--reward_fn", default="ifeval_guarded", help="the GRPO row's --reward_fn")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "

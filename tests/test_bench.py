@@ -196,10 +196,11 @@ def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatc
     assert log.read_text().split() == [os.pathsep.join([str(REPO), str(tmp_path / "site")])]
 
 
-def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
+@pytest.mark.parametrize("estimator,scale_rewards", [("grpo", "group"), ("dr_grpo", "none")])
+def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
-                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2)
+                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator)
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
@@ -207,6 +208,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
+    assert (args.advantage_estimator, args.loss_agg) == (estimator, "token_mean")  # TRL's dapo loss: the token mean
     collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
     importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
     validate_common(importlib.import_module(MAINS["2"]).parse_args(rm[1:]))
@@ -220,6 +222,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(tmp_path):
     assert (flags["--steps"], flags["--batch"], flags["--group"], flags["--lr"]) == ("22", "32", "4", "1e-05")
     assert (flags["--temperature"], flags["--lr_scheduler"], flags["--warmup"], flags["--seed"]) == ("0.7", "cosine",
                                                                                                     "2", "7")
+    assert (flags["--scale_rewards"], flags["--loss_type"]) == (scale_rewards, "dapo")  # the same advantages and loss
     peer = load_module("peers/trl_run")
     assert peer.parse_args(trl[1:]).lr_scheduler == "cosine"  # TRL's runner takes every flag the bench passes
     for step in (11, 5):

@@ -105,7 +105,7 @@ def run_grpo(args, log: StepLog):
 
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
                         max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
-                        beta=args.beta, loss_type=args.loss_type, scale_rewards="group", epsilon=0.2, num_iterations=1)
+                        beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2, num_iterations=1)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     if args.save and args.save_at:
@@ -217,6 +217,8 @@ def parse_args(argv=None):
     parser.add_argument("--task", choices=("gsm8k", "ifeval"), default="gsm8k", help="grpo: data and reward")
     parser.add_argument("--loss_type", default="grpo",
                         help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
+    parser.add_argument("--scale_rewards", choices=("group", "batch", "none"), default="group",
+                        help="grpo: TRL's scale_rewards (group: GRPO's division by the group's std; none: Dr. GRPO's)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     parser.add_argument("--save_at", default="", help="grpo: also save after these steps (\"11\"), to SAVE-step-N")
     return parser.parse_args(argv)
