@@ -27,11 +27,12 @@ than 5 words besides its required text); KL to the base model (per answer, on th
 GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps are evaluated too (compliance
 and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
 
-``--seed``, ``--temperature``, ``--schedule`` and ``--warmup`` change the GRPO and TRL rows alike, ``--reward_fn``
-the GRPO row; one run is one seed, and a recipe's runs spread over 10 to 20 points, so judge a recipe on several
-(docs/real-model.md), each in its own ``--work``, and print them with ``--summarize WORK WORK …`` (each row's mean
-and range). The training and the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data
-folder where ``../shared/data`` is not beside the checkout.
+``--seed``, ``--temperature``, ``--schedule``, ``--warmup`` and ``--estimator`` (``grpo`` or ``dr_grpo``: TRL's
+``scale_rewards`` group or none) change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one
+seed, and a recipe's runs spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in
+its own ``--work``, and print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and
+the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is
+not beside the checkout.
 """
 from __future__ import annotations
 
@@ -232,8 +233,8 @@ TRL_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
 def grpo_command(model: str, data: dict, out: str, opts) -> list:
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
-            "--advantage_estimator", opts.estimator, "--loss_agg", "token_mean", "--reward_fn", opts.reward_fn, "--n_samples_per_prompt",
-            str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
+            "--advantage_estimator", opts.estimator, "--loss_agg", "token_mean", "--reward_fn", opts.reward_fn,
+            "--n_samples_per_prompt", str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
             "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
             "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", str(opts.temperature),
             "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", opts.schedule,

@@ -105,7 +105,8 @@ def run_grpo(args, log: StepLog):
 
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
                         max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
-                        beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2, num_iterations=1)
+                        beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2,
+                        num_iterations=1)
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     if args.save and args.save_at:
