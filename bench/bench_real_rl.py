@@ -239,7 +239,7 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", str(opts.temperature),
             "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", opts.schedule,
             "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
-            "--dtype", "fp32", "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
+            "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
             "--max_checkpoints", "100", "--output_dir", out, "--overwrite"]
 
 
@@ -251,7 +251,7 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             str(opts.seed), "--save",
             os.path.join(out, "actor"), "--save_at", ",".join(str(s) for s in range(opts.eval_every, opts.steps,
                                                                                      opts.eval_every)),
-            "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator],
+            "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator], "--dtype", opts.dtype,
             "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
 
 
@@ -399,6 +399,9 @@ def main(argv=None):
                         help="the GRPO row's --advantage_estimator: grpo divides a group's centred scores by their "
                         "std, dr_grpo does not (TRL's row: scale_rewards group / none); both rows take the token mean")
     parser.add_argument("--reward_fn", default="ifeval_guarded", help="the GRPO row's --reward_fn")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the GRPO and TRL rows' training precision (step 3's --dtype; TRL's bf16 autocast); "
+                             "the evaluation is fp32 either way")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")

@@ -196,15 +196,16 @@ def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatc
     assert log.read_text().split() == [os.pathsep.join([str(REPO), str(tmp_path / "site")])]
 
 
-@pytest.mark.parametrize("estimator,scale_rewards", [("grpo", "group"), ("dr_grpo", "none")])
-def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, tmp_path):
+@pytest.mark.parametrize("estimator,scale_rewards,dtype", [("grpo", "group", "fp32"), ("dr_grpo", "none", "bf16")])
+def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, dtype, tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
-                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator)
+                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
+                     dtype=dtype)
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
-    args.dtype = "fp32"
+    assert args.dtype == dtype
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
@@ -224,7 +225,9 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
                                                                                                     "2", "7")
     assert (flags["--scale_rewards"], flags["--loss_type"]) == (scale_rewards, "dapo")  # the same advantages and loss
     peer = load_module("peers/trl_run")
-    assert peer.parse_args(trl[1:]).lr_scheduler == "cosine"  # TRL's runner takes every flag the bench passes
+    peer_args = peer.parse_args(trl[1:])  # TRL's runner takes every flag the bench passes
+    assert peer_args.lr_scheduler == "cosine" and peer_args.dtype == dtype
+    assert peer.common_args(peer_args)["bf16"] == (dtype == "bf16")  # TRL trains in the same precision
     for step in (11, 5):
         os.makedirs(tmp_path / "trl" / f"actor-step-{step}")
     assert bench.trl_checkpoints(str(tmp_path / "trl")) == {s: (str(tmp_path / "trl" / f"actor-step-{s}"), None)

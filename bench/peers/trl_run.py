@@ -62,8 +62,8 @@ def on_gpu() -> bool:
 def common_args(args) -> dict:
     return dict(output_dir=os.path.join(args.out, "trl"), max_steps=args.steps, logging_steps=1,
                 learning_rate=args.lr, lr_scheduler_type=args.lr_scheduler, warmup_steps=args.warmup,
-                use_cpu=not on_gpu(), bf16=False, fp16=False, report_to=[], save_strategy="no", eval_strategy="no",
-                seed=args.seed,
+                use_cpu=not on_gpu(), bf16=args.dtype == "bf16", fp16=False, report_to=[], save_strategy="no",
+                eval_strategy="no", seed=args.seed,
                 gradient_checkpointing=False, gradient_accumulation_steps=1, dataloader_num_workers=0,
                 model_init_kwargs={"dtype": "float32"})
 
@@ -215,6 +215,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr_scheduler", default="constant", help="TRL's lr_scheduler_type (constant, cosine, …)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
     parser.add_argument("--temperature", type=float, default=1.0, help="grpo: sampling temperature")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32, or bf16 autocast over the fp32 weights (transformers' bf16=True)")
     parser.add_argument("--task", choices=("gsm8k", "ifeval"), default="gsm8k", help="grpo: data and reward")
     parser.add_argument("--loss_type", default="grpo",
                         help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
