@@ -27,10 +27,12 @@ than 5 words besides its required text); KL to the base model (per answer, on th
 GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps are evaluated too (compliance
 and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
 
-``--seed``, ``--temperature``, ``--schedule``, ``--warmup`` and ``--estimator`` (``grpo`` or ``dr_grpo``: TRL's
-``scale_rewards`` group or none) change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one
-seed, and a recipe's runs spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in
-its own ``--work``, and print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and
+``--seed``, ``--temperature``, ``--schedule``, ``--warmup``, ``--estimator`` (``grpo`` or ``dr_grpo``: TRL's
+``scale_rewards`` group or none) and ``--dtype`` (``bf16``: step 3's bf16 weights with fp32 master weights, TRL's
+bf16 autocast; 1.6× step 3's steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way)
+change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs
+spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
+print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and
 the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is
 not beside the checkout.
 """
