@@ -32,9 +32,9 @@ and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/rea
 bf16 autocast; 1.6× step 3's steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way)
 change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs
 spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
-print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and
-the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is
-not beside the checkout.
+print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and the evaluation run on
+the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is not beside the
+checkout.
 """
 from __future__ import annotations
 
