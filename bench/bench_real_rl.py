@@ -28,8 +28,9 @@ GSM8K zero-shot on 200 test questions. Checkpoints every ``--eval_every`` steps 
 and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/real_rl.png`` and a table.
 
 ``--seed``, ``--temperature``, ``--schedule``, ``--warmup``, ``--estimator`` (``grpo`` or ``dr_grpo``: TRL's
-``scale_rewards`` group or none) and ``--dtype`` (``bf16``: step 3's bf16 weights with fp32 master weights, TRL's
-bf16 autocast; 1.6× step 3's steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way)
+``scale_rewards`` group or none) and ``--dtype`` (``bf16``: step 3's bf16 weights with fp32 master weights, or
+with ``--autocast`` fp32 weights under bf16 autocast (``--torch_autocast``); TRL's bf16 autocast; 1.6× step 3's
+steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way)
 change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs
 spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
 print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and the evaluation run on
@@ -242,7 +243,8 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", opts.schedule,
             "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
             "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
-            "--max_checkpoints", "100", "--output_dir", out, "--overwrite"]
+            "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
+            *(["--torch_autocast"] if opts.autocast else [])]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
@@ -404,10 +406,15 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the GRPO and TRL rows' training precision (step 3's --dtype; TRL's bf16 autocast); "
                              "the evaluation is fp32 either way")
+    parser.add_argument("--autocast", action="store_true",
+                        help="with --dtype bf16, the GRPO row keeps fp32 weights and runs its forward passes under "
+                             "bf16 autocast (step 3's --torch_autocast), as TRL's bf16 does")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")
     opts = parser.parse_args(argv)
+    if opts.autocast and opts.dtype != "bf16":
+        parser.error("--autocast needs --dtype bf16")
     if opts.summarize:
         runs = {}
         for work in opts.summarize:

@@ -132,7 +132,8 @@ def run(args, folder):
     # ---- set-up: distributed, precision, seed, logger, DeepSpeed configs (policy: train; reference: frozen)
     device, log, ds_config = start_step(args, "step2_dpo")
     ref_ds_config = frozen_ds_config(args.dtype, args.zero_stage, args.offload_reference_model,
-                                     args.per_device_train_batch_size, args.gradient_accumulation_steps)
+                                     args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                     autocast=args.torch_autocast)
 
     # ---- tokenizer, policy (+ LoRA), reference
     tokenizer = load_tokenizer(args, args.model_name_or_path)

@@ -186,6 +186,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensorboard_path: str | None = None  # DeepSpeed's own tensorboard logs (--enable_tensorboard)
     hybrid: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    autocast: bool = False  # --torch_autocast: fp32 weights, the forward passes under torch.autocast (bf16)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ class Step3Config:
             dropout=critic.dropout if critic else None) if reward.uses_model else None
         engine = EngineConfig(
             actor=role("actor", args.offload_reference_model, actor_accum), critic=critic,
-            reward_model=reward_model, dtype=dtype, micro_batch=args.per_device_training_batch_size,
+            reward_model=reward_model, dtype=dtype, autocast=args.torch_autocast,
+            micro_batch=args.per_device_training_batch_size,
             max_seq_len=args.max_prompt_seq_len + args.max_answer_seq_len, offload=args.offload,
             only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema, reference=args.kl_ctl > 0,
             num_padding_at_beginning=args.num_padding_at_beginning, trust_remote_code=args.trust_remote_code,

@@ -467,7 +467,7 @@ def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
 
 def throughput_constants(config, engine) -> dict:
     """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference) and model sizes."""
-    constants = {"bytes_per_param": 4 if config.dtype == "fp32" else 2}
+    constants = {"bytes_per_param": 4 if config.dtype == "fp32" or config.autocast else 2}
     for name, role, model in (("actor", config.actor, engine.actor.module),
                               ("critic", config.critic, engine.critic.module if engine.critic else None)):
         if model is None:

@@ -115,7 +115,7 @@ class DeepSpeedRLHFEngine:
 
     def _frozen_config(self, role) -> dict:
         return frozen_ds_config(self.config.dtype, role.zero_stage, role.offload_frozen, self.config.micro_batch,
-                                role.grad_accum)
+                                role.grad_accum, autocast=self.config.autocast)
 
     def _check_length(self, model) -> None:
         needed = self.config.max_seq_len
@@ -138,7 +138,7 @@ class DeepSpeedRLHFEngine:
             enable_hybrid_engine=hybrid.enabled, inference_tp_size=hybrid.inference_tp_size,
             release_inference_cache=hybrid.release_inference_cache, pin_parameters=hybrid.pin_parameters,
             tp_gather_partition_size=hybrid.tp_gather_partition_size, max_out_tokens=config.max_seq_len,
-            enable_mixed_precision_lora=hybrid.mixed_precision_lora)
+            enable_mixed_precision_lora=hybrid.mixed_precision_lora, autocast=config.autocast)
         model = create_hf_model(AutoModelForCausalLM, actor.model_name_or_path, self.tokenizer, ds_config,
                                 dropout=actor.dropout, trust_remote_code=config.trust_remote_code)
         self._check_length(model)
@@ -182,7 +182,7 @@ class DeepSpeedRLHFEngine:
         start, config, critic = _log_init("critic"), self.config, self.config.critic
         ds_config = train_ds_config(config.dtype, critic.zero_stage, config.offload, config.micro_batch,
                                     critic.grad_accum, tensorboard_path=config.tensorboard_path,
-                                    tb_name="step3_critic")
+                                    tb_name="step3_critic", autocast=config.autocast)
         model = create_critic_model(critic.model_name_or_path, self.tokenizer,
                                     get_eval_ds_config(False, config.dtype, critic.zero_stage),
                                     config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
@@ -197,7 +197,8 @@ class DeepSpeedRLHFEngine:
         from utils.model.critic import create_critic_model
 
         start, config, reward = _log_init("reward"), self.config, self.config.reward_model
-        ds_config = frozen_ds_config(config.dtype, reward.zero_stage, reward.offload, config.micro_batch, 1)
+        ds_config = frozen_ds_config(config.dtype, reward.zero_stage, reward.offload, config.micro_batch, 1,
+                                     autocast=config.autocast)
         model = create_critic_model(reward.model_name_or_path, self.tokenizer, ds_config,
                                     config.num_padding_at_beginning, rlhf_training=True, dropout=reward.dropout,
                                     zero_stage=frozen_stage(reward.zero_stage),

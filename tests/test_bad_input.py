@@ -79,6 +79,8 @@ CLI_CASES = {
                               ["someone/nothing", "not a supported dataset name"], {}),
     "zero_max_checkpoints": (STEP2, [*TINY, "--max_checkpoints", "0"], {}, ["--max_checkpoints must be ≥ 1"], {}),
     "fp16_on_cpu_dpo": (DPO, [*TINY, "--dtype", "fp16"], {}, ["--dtype fp16 needs a GPU"], {}),
+    "autocast_without_bf16_step3": (STEP3, [*STEP3_MODELS, "--torch_autocast"], {},
+                                    ["--torch_autocast", "needs --dtype bf16 (got fp32)"], {}),
     "malformed_json_dpo": (DPO, ["--model_name_or_path", "tiny-opt", "--data_path", "{dir}/bad.jsonl"],
                            {"bad.jsonl": '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a",\n'},
                            ["bad.jsonl", "malformed JSON on line 2"], {}),

@@ -74,10 +74,18 @@ class FakeRewardModel(nn.Module):
 class FakeEngine(nn.Module):
     """What the trainer uses of a DeepSpeed engine: ``module``, call, backward, step (+ forward_value)."""
 
-    def __init__(self, module, lr=None):
+    def __init__(self, module, lr=None, autocast=None):
         super().__init__()
         self.module = module
         self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr is not None else None
+        self.autocast = autocast  # the dtype of DeepSpeed's torch_autocast section, or None
+        self.device = torch.device("cpu")
+
+    def torch_autocast_enabled(self):
+        return self.autocast is not None
+
+    def torch_autocast_dtype(self):
+        return self.autocast
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -102,14 +110,15 @@ def decode(ids, skip_special_tokens=True):
 
 
 def make_trainer(answers, scores, lr=0.5, ema=False, dropout=0.0, ema_beta=0.992, unsup_coef=27.8, critic=True,
-                 reward_model=True, reward=None, reward_fn=None, ppo=None, **generation):
-    """A trainer on fake engines; ``generation`` overrides :class:`GenerationConfig` fields (answers ≤ 4 tokens)."""
+                 reward_model=True, reward=None, reward_fn=None, ppo=None, autocast=None, **generation):
+    """A trainer on fake engines; ``generation`` overrides :class:`GenerationConfig` fields (answers ≤ 4 tokens);
+    ``autocast``: the engines' torch_autocast dtype (``--torch_autocast``)."""
     tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS, unk_token_id=None, decode=decode,
                                 batch_decode=lambda rows, **kw: [decode(r, **kw) for r in rows])
-    engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr),
-                             ref=FakeEngine(TinyLM()),
-                             critic=FakeEngine(FakeRewardModel(scores), lr=lr) if critic else None,
-                             reward=FakeEngine(FakeRewardModel(scores)) if reward_model else None,
+    engine = SimpleNamespace(actor=FakeEngine(TinyLM(torch.tensor(answers), dropout=dropout), lr=lr, autocast=autocast),
+                             ref=FakeEngine(TinyLM(), autocast=autocast),
+                             critic=FakeEngine(FakeRewardModel(scores), lr=lr, autocast=autocast) if critic else None,
+                             reward=FakeEngine(FakeRewardModel(scores), autocast=autocast) if reward_model else None,
                              actor_ema=FakeEngine(TinyLM(seed=1)) if ema else None, tokenizer=tokenizer)
     ppo = ppo or PPOConfig(ema_beta=ema_beta, unsup_coef=unsup_coef)
     trainer = DeepSpeedPPOTrainer(engine, ppo, GenerationConfig(**{"max_answer_seq_len": 4, **generation}),
@@ -181,6 +190,29 @@ def test_sampling_flags_reach_generate():
     logits = engine.ref.module(exp.input_ids).logits / 0.7
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
     assert_close(exp.ref_logprobs, expected[:, 2:])
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_torch_autocast_covers_the_forwards_that_bypass_the_engine_and_no_backward(autocast):
+    """--torch_autocast: DeepSpeed autocasts the engine's own forward; generation and forward_value call the module
+    directly, so the trainer runs them under the same autocast. Backward runs outside it."""
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[1.0, -1.0, 1.0], autocast=autocast)
+    seen = {}
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, []).append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                                             else None)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    engine.actor.module.generate = record("generate", engine.actor.module.generate)
+    engine.reward.module.forward_value = record("reward", engine.reward.module.forward_value)
+    engine.critic.module.forward_value = record("critic", engine.critic.module.forward_value)
+    engine.actor.backward = record("backward", engine.actor.backward)
+    trainer.train_step(make_rollout(trainer))
+    assert seen == {"generate": [autocast], "reward": [autocast], "critic": [autocast, autocast],
+                    "backward": [None]}
 
 
 # --------------------------------------------------------------------------- training

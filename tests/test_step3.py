@@ -166,6 +166,36 @@ def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
     assert "Running RL (grpo, critic-free, 2 answer(s) per prompt)" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_torch_autocast_trains_fp32_weights_with_bf16_forwards(untrained_reward_model, tmp_path):
+    """PPO with --dtype bf16 --torch_autocast: every model of step 3 (actor, reference, critic, reward) runs, and the
+    actor's weights stay fp32: updates far below bf16's resolution move them (bf16 weights would round such an update
+    away in the weights the model runs with, and save only bf16 values)."""
+    from utils.model.model_utils import resolve_model_name_or_path
+
+    out = tmp_path / "out"
+    _ok(run_entry(
+        STEP3, *DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", "tiny-opt",
+        "--critic_model_name_or_path", untrained_reward_model, "--output_dir", out, "--dtype", "bf16",
+        "--torch_autocast", "--max_prompt_seq_len", 16, "--max_answer_seq_len", 8,
+        "--per_device_generation_batch_size", 4, "--per_device_training_batch_size", 4, "--max_steps", 2,
+        "--do_sample", "--actor_learning_rate", 1e-6, "--critic_learning_rate", 1e-6, "--num_warmup_steps", 0,
+        env=OMP))
+    before, after = _weights(resolve_model_name_or_path("tiny-opt")), _weights(out / "actor")
+    moved = 0
+    for name, w in after.items():
+        assert w.dtype == torch.float32, name
+        step = (w - before[name]).abs()
+        assert float(step.max()) < 1e-4, name  # two steps of lr 1e-6
+        resolution = before[name].abs() * 2.0 ** -9  # half a bf16 ulp of the weight
+        moved += int(((step > 0) & (step < resolution)).sum())
+    assert moved > 1000  # kept fp32 updates smaller than a bf16 weight can hold
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(math.isfinite(r[k]) for r in train for k in ("actor_loss", "critic_loss", "reward", "kl"))
+
+
 PARITY_REWARD = "def score(prompts, answers, rows):\n    return [float(len(a.split()) % 2) for a in answers]\n"
 
 

@@ -141,6 +141,11 @@ def add_deepspeed_args(parser: argparse.ArgumentParser):
     g.add_argument("--offload", action="store_true", help="ZeRO-Offload parameters/optimizer to CPU.")
     g.add_argument("--dtype", type=str, default=None, choices=DTYPES,
                    help="Training precision (default fp16 on a GPU, fp32 on CPU; fp16 needs a GPU).")
+    g.add_argument("--torch_autocast", action="store_true",
+                   help="With --dtype bf16: keep the weights (and what is saved) in fp32 and run the forward passes "
+                        "under torch.autocast, matmuls in bf16 (DeepSpeed's torch_autocast), instead of bf16 "
+                        "weights, so that small updates are not rounded away in the weights the model runs with "
+                        "(as transformers' bf16=True); slower than bf16 weights.")
     g.add_argument("--zero_stage", type=int, default=0, choices=ZERO_STAGES, help="ZeRO optimisation stage.")
     import deepspeed
 

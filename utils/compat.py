@@ -141,7 +141,7 @@ def check_zero_combination(args, accelerator: str | None = None) -> None:
 
     Reads ``--zero_stage`` (step 3: ``--actor_zero_stage`` and ``--critic_zero_stage``),
     ``--offload``, ``--lora_dim`` (step 3: per role) and ``--dtype`` (its default when
-    unset: fp32 on CPU, fp16 on a GPU). ``accelerator`` defaults to DeepSpeed's.
+    unset: fp32 on CPU, fp16 on a GPU; ``--torch_autocast`` needs bf16). ``accelerator`` defaults to DeepSpeed's.
     Call before ``init_distributed`` so every rank refuses before any collective.
     """
     if accelerator is None:
@@ -149,6 +149,9 @@ def check_zero_combination(args, accelerator: str | None = None) -> None:
 
         accelerator = "cpu" if on_cpu() else "gpu"
     dtype = args.dtype or ("fp32" if accelerator == "cpu" else "fp16")
+    if getattr(args, "torch_autocast", False) and dtype != "bf16":
+        raise UserInputError(f"--torch_autocast runs the forward passes in bf16 over fp32 weights: it needs "
+                             f"--dtype bf16 (got {dtype})")
     for stage_flag, stage, lora in _roles(args):
         found = refusal(stage, bool(getattr(args, "offload", False)), lora, dtype, accelerator, stage_flag)
         if found is not None:

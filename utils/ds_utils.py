@@ -10,7 +10,13 @@ GLOBAL_BATCH_SIZE = 32  # placeholders, overwritten by the caller like the refer
 MICRO_BATCH_SIZE = 4
 
 
-def _precision(dtype: str) -> dict:
+def _precision(dtype: str, autocast: bool = False) -> dict:
+    """DeepSpeed's precision section. ``autocast`` (``--torch_autocast``, bf16 only): fp32 weights, the forward
+    under ``torch.autocast`` (DeepSpeed's ``torch_autocast``), instead of bf16 weights."""
+    if autocast:
+        if dtype != "bf16":
+            raise ValueError(f"torch autocast is built for bf16, not {dtype}")
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
     if dtype == "fp16":
         return {"fp16": {"enabled": True, "loss_scale_window": 100}}
     if dtype == "bf16":
@@ -23,7 +29,7 @@ def get_train_ds_config(offload: bool, dtype: str, stage: int = 2, enable_hybrid
                         pin_parameters: bool = True, tp_gather_partition_size: int = 8,
                         max_out_tokens: int = 512, enable_tensorboard: bool = False,
                         enable_mixed_precision_lora: bool = False, tb_path: str = "", tb_name: str = "",
-                        world_size: int = 1, devices_per_node: int = 1) -> dict:
+                        world_size: int = 1, devices_per_node: int = 1, autocast: bool = False) -> dict:
     """``world_size`` / ``devices_per_node`` only matter with ``enable_mixed_precision_lora``: on several
     nodes ZeRO++'s secondary weight partition (hpZ) spans one node, as in DeepSpeed-Chat."""
     device = "cpu" if offload else "none"
@@ -63,11 +69,11 @@ def get_train_ds_config(offload: bool, dtype: str, stage: int = 2, enable_hybrid
             "job_name": f"{tb_name}_tensorboard",
         },
     }
-    config.update(_precision(dtype))
+    config.update(_precision(dtype, autocast))
     return config
 
 
-def get_eval_ds_config(offload: bool, dtype: str, stage: int = 0) -> dict:
+def get_eval_ds_config(offload: bool, dtype: str, stage: int = 0, autocast: bool = False) -> dict:
     device = "cpu" if offload else "none"
     config = {
         "train_batch_size": GLOBAL_BATCH_SIZE,
@@ -83,7 +89,7 @@ def get_eval_ds_config(offload: bool, dtype: str, stage: int = 0) -> dict:
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
     }
-    config.update(_precision(dtype))
+    config.update(_precision(dtype, autocast))
     return config
 
 

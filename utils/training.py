@@ -80,7 +80,7 @@ def frozen_stage(trained_stage: int) -> int:
 def train_ds_config(dtype: str, stage: int, offload: bool, micro_batch: int, grad_accum: int,
                     tensorboard_path: str | None = None, tb_name: str = "", **extra) -> dict:
     """A trained model's DeepSpeed config; ``tensorboard_path`` turns on DeepSpeed's own tensorboard logs,
-    ``extra`` goes to :func:`utils.ds_utils.get_train_ds_config` (hybrid-engine fields)."""
+    ``extra`` goes to :func:`utils.ds_utils.get_train_ds_config` (hybrid-engine fields, ``autocast``)."""
     from deepspeed.accelerator import get_accelerator
 
     from utils.ds_utils import get_train_ds_config, set_batch_sizes
@@ -92,11 +92,13 @@ def train_ds_config(dtype: str, stage: int, offload: bool, micro_batch: int, gra
     return set_batch_sizes(config, micro_batch, get_world_size(), grad_accum)
 
 
-def frozen_ds_config(dtype: str, trained_stage: int, offload: bool, micro_batch: int, grad_accum: int) -> dict:
-    """The eval config of a frozen copy of a model trained with ZeRO ``trained_stage`` (see :func:`frozen_stage`)."""
+def frozen_ds_config(dtype: str, trained_stage: int, offload: bool, micro_batch: int, grad_accum: int,
+                     autocast: bool = False) -> dict:
+    """The eval config of a frozen copy of a model trained with ZeRO ``trained_stage`` (see :func:`frozen_stage`);
+    ``autocast``: ``--torch_autocast`` (:func:`utils.ds_utils.get_train_ds_config`)."""
     from utils.ds_utils import get_eval_ds_config, set_batch_sizes
 
-    config = get_eval_ds_config(offload, dtype, frozen_stage(trained_stage))
+    config = get_eval_ds_config(offload, dtype, frozen_stage(trained_stage), autocast=autocast)
     return set_batch_sizes(config, micro_batch, get_world_size(), grad_accum)
 
 
@@ -105,7 +107,7 @@ def step_ds_config(args, tb_name: str) -> dict:
     return train_ds_config(args.dtype, args.zero_stage, args.offload, args.per_device_train_batch_size,
                            args.gradient_accumulation_steps,
                            tensorboard_path=args.tensorboard_path if args.enable_tensorboard else None,
-                           tb_name=tb_name)
+                           tb_name=tb_name, autocast=args.torch_autocast)
 
 
 # --------------------------------------------------------------------------- data
