@@ -33,6 +33,7 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.model.lean_forward import answer_log_probs, can_share_prompt, label_loss, position_ids
@@ -409,10 +410,6 @@ class DeepSpeedPPOTrainer:
         self.actor_zero_stage = self.actor_model.zero_optimization_stage()
         self.z3_enabled = self.actor_zero_stage == 3
         self.hybrid_engine = getattr(rlhf_engine, "hybrid_engine_active", False)
-        # --torch_autocast: the engines run their own forward under torch.autocast; the passes that call a module
-        # directly (generation, forward_value) run under the same one (:meth:`_autocast`)
-        self.autocast_dtype = (self.actor_model.torch_autocast_dtype() if self.actor_model.torch_autocast_enabled()
-                               else None)
         self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = generation.logprob_temperature
@@ -422,13 +419,6 @@ class DeepSpeedPPOTrainer:
         if on_policy:
             self.log("old log-probs: the training pass's own (on-policy: one optimizer step per round, no dropout, "
                      "no KL in the reward), no forward pass of their own")
-
-    def _autocast(self):
-        """``torch.autocast`` in the engines' dtype with ``--torch_autocast`` (a forward that bypasses the engine's
-        own, never a backward), else nothing."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.actor_model.device.type, dtype=self.autocast_dtype)
 
     # ------------------------------------------------------------------ generate
 
@@ -476,7 +466,9 @@ class DeepSpeedPPOTrainer:
         from utils.model.lean_forward import cache_parameter
 
         gen = self.generation
-        with torch.no_grad(), self._autocast():
+        # --torch_autocast: DeepSpeed autocasts an engine's own forward; generation and forward_value call the module
+        # directly, so they run under the engine's autocast here (never a backward)
+        with torch.no_grad(), autocast_if_enabled(self.actor_model):
             if self.generator is not None:
                 seq = self.generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
                                               top_k=gen.top_k, top_p=gen.top_p)
@@ -564,7 +556,7 @@ class DeepSpeedPPOTrainer:
             if self.ref_model is not None:
                 rollout.ref_logprobs = self._action_log_probs(self.ref_model, rollout)
             if self.critic_model is not None:
-                with self._autocast():
+                with autocast_if_enabled(self.critic_model):
                     rollout.values = self._values(rollout).float().detach()
         info["experience"] = time.time() - start
         return rollout
@@ -594,7 +586,7 @@ class DeepSpeedPPOTrainer:
         start = time.time()
         total = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
         if self.reward_model is not None:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), autocast_if_enabled(self.reward_model):
                 out = self.reward_model.forward_value(rollout.input_ids, rollout.attention_mask,
                                                       prompt_length=rollout.prompt_length)
             total += out["chosen_end_scores"].float().detach()
@@ -692,7 +684,7 @@ class DeepSpeedPPOTrainer:
         if not ppo.align_overflow:
             self.actor_model.step()
 
-        with self._autocast():
+        with autocast_if_enabled(self.critic_model):
             values = self._values(micro)
         value_loss = critic_loss(values, micro.values, micro.returns, mask, ppo.cliprange_value)
         self.critic_model.backward(value_loss)

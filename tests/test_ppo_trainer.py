@@ -79,7 +79,6 @@ class FakeEngine(nn.Module):
         self.module = module
         self.optimizer = torch.optim.SGD(module.parameters(), lr=lr) if lr is not None else None
         self.autocast = autocast  # the dtype of DeepSpeed's torch_autocast section, or None
-        self.device = torch.device("cpu")
 
     def torch_autocast_enabled(self):
         return self.autocast is not None
