@@ -4,6 +4,8 @@
     .venv/bin/python bench/bench_generation.py                               # CPU: tiny-opt, small-opt
     python3 bench/bench_generation.py --models opt-1.3b --dtype bf16         # GPU: random OPT-1.3B shape
     python3 bench/bench_generation.py --models opt-1.3b llama-1b --batch 16 --prompt 256 --answer 256
+    .venv/bin/python bench/bench_generation.py --models ../smollm2 --dtype bf16 --batch 32 --prompt 64 \
+        --answer 64 --sample --backends hf-multinomial hf static             # step 3's sampling on CPU
 
 Built-in names (``tiny-opt``, ``small-opt``, ``tiny-llama``) are the project's tiny
 models; ``opt-1.3b``, ``opt-350m`` and ``llama-1b`` are random-initialised models of
@@ -12,6 +14,10 @@ by a few positions in half of the rows; EOS is disabled so every row decodes the
 answer length (the worst case step 3 can meet). For each backend: prefill time, decode
 time per token, tokens/s (batch × answer tokens / total time), the one-off capture time,
 peak GPU memory, and whether its greedy output equals ``hf``'s token for token.
+
+``--sample`` samples at temperature 1 instead (step 3's ``--do_sample``): ``hf`` and ``static`` draw with
+:func:`utils.generation.sample_categorical`, ``hf-multinomial`` is ``model.generate(do_sample=True)``'s own
+``torch.multinomial`` (what step 3 did before). The first backend is the speed-up's reference.
 """
 from __future__ import annotations
 
@@ -66,24 +72,25 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run(model, backend: str, ids, mask, answer: int, device, repeats: int):
+def run(model, backend: str, ids, mask, answer: int, device, repeats: int, sample: bool = False):
     """(output of the last repeat, {prefill_s, decode_ms_per_token, tokens_per_s, capture_s, total_s})."""
     import torch
 
-    from utils.generation import StaticGenerator
+    from utils.generation import StaticGenerator, generate_kwargs
 
     B, P = ids.shape
     no_eos = -1  # never emitted: every row decodes `answer` tokens
     pad = model.config.pad_token_id
-    if backend == "hf":
-        kw = dict(attention_mask=mask, max_new_tokens=answer, do_sample=False,
-                  pad_token_id=pad, eos_token_id=None, temperature=None, top_k=None, top_p=None)
+    if backend in ("hf", "hf-multinomial"):
+        decoding = (dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if backend == "hf-multinomial"
+                    else generate_kwargs(sample, 1.0, 0, 1.0))
+        kw = dict(attention_mask=mask, max_new_tokens=answer, pad_token_id=pad, eos_token_id=None, **decoding)
         call = lambda: model.generate(ids, **kw)  # noqa: E731
         prefill = lambda: model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1)  # noqa: E731
         gen = None
     else:
         gen = StaticGenerator(model, P, answer, no_eos, pad, use_cuda_graph=backend == "cuda-graph")
-        call = lambda: gen.generate(ids, mask)  # noqa: E731
+        call = lambda: gen.generate(ids, mask, do_sample=sample, temperature=1.0, top_k=0)  # noqa: E731
         prefill = None
     with torch.no_grad():
         out = call()  # warm-up (and, for cuda-graph, the one-off capture)
@@ -115,6 +122,7 @@ def main():
     parser.add_argument("--answer", type=int, default=None, help="answer tokens (default 32 on CPU, 256 on a GPU)")
     parser.add_argument("--dtype", default=None, choices=DTYPES, help="default fp32 CPU, bf16 GPU")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sample", action="store_true", help="sample at temperature 1 (step 3's --do_sample)")
     args = parser.parse_args()
 
     import torch
@@ -131,10 +139,10 @@ def main():
     dtype = torch_dtype(args.dtype or ("bf16" if cuda else "fp32"))
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     lines = [f"generation on {where}, torch {torch.__version__}: batch {B}, prompt {P} (half the rows left padded "
-             f"by 1-7), answer {A} tokens, greedy, {str(dtype).replace('torch.', '')}, mean of {args.repeats} after "
-             "1 warm-up", "",
-             "| model | backend | prefill (ms) | decode (ms/token) | tokens/s | speed-up vs hf | capture (s) | "
-             "peak GPU memory (GiB) | greedy output = hf |",
+             f"by 1-7), answer {A} tokens, {'sampled' if args.sample else 'greedy'}, "
+             f"{str(dtype).replace('torch.', '')}, mean of {args.repeats} after 1 warm-up", "",
+             f"| model | backend | prefill (ms) | decode (ms/token) | tokens/s | speed-up vs {backends[0]} | "
+             f"capture (s) | peak GPU memory (GiB) | greedy output = {backends[0]} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in models:
         torch.manual_seed(0)
@@ -151,14 +159,15 @@ def main():
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            out, stats = run(model, backend, ids, mask, A, device, args.repeats)
+            out, stats = run(model, backend, ids, mask, A, device, args.repeats, args.sample)
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-            if backend == "hf":
+            first = reference is None
+            if first:
                 reference, hf_stats = out, stats
-            same = "—" if reference is None or backend == "hf" else (
+            same = "—" if first or args.sample else (
                 "yes" if torch.equal(out[:, :reference.shape[1]], reference) else
                 f"no ({(out[:, P:reference.shape[1]] != reference[:, P:]).any(dim=1).sum().item()}/{B} rows differ)")
-            speedup = f"{hf_stats['total_s'] / stats['total_s']:.2f}x" if hf_stats else "—"
+            speedup = f"{hf_stats['total_s'] / stats['total_s']:.2f}x" if not first else "—"
             lines.append(f"| {name} | {backend} | {stats['prefill_s'] * 1000:.1f} | {stats['decode_ms_per_token']:.2f} "
                          f"| {stats['tokens_per_s']:.0f} | {speedup} | {stats['capture_s']:.2f} | {peak:.2f} | {same} |")
             print(lines[-1], flush=True)

@@ -463,6 +463,7 @@ class DeepSpeedPPOTrainer:
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, group: int = 1) -> tuple:
         """(``[B, P + n]``: the actor's answers after the prompts, right padded with the pad id, ``n`` the longest
         answer; tokens generated). ``group``: rows ``g·G …`` repeat one prompt (its prefill runs once)."""
+        from utils.generation import generate_kwargs
         from utils.model.lean_forward import cache_parameter
 
         gen = self.generation
@@ -473,13 +474,11 @@ class DeepSpeedPPOTrainer:
                 seq = self.generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
                                               top_k=gen.top_k, top_p=gen.top_p)
             else:
+                # sampling through a logits processor: torch.multinomial costs a quarter of the CPU's generation
                 kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
                               pad_token_id=self.pad_token_id, eos_token_id=list(self.end_token_ids),
-                              synced_gpus=self.z3_enabled, use_cache=True, do_sample=gen.do_sample)
-                if gen.do_sample:
-                    kwargs.update(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
-                else:
-                    kwargs.update(temperature=None, top_k=None, top_p=None)
+                              synced_gpus=self.z3_enabled, use_cache=True,
+                              **generate_kwargs(gen.do_sample, gen.temperature, gen.top_k, gen.top_p))
                 cache = self._prefilled_cache(prompts, mask, group)
                 if cache is not None:
                     kwargs[cache_parameter(self.actor_model.module)] = cache

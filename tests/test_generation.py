@@ -2,7 +2,8 @@
 
 Token-identity with ``model.generate`` on CPU (fp32): left-padded prompts of different
 lengths, EOS in the middle of a batch, LoRA on and off, early stop, batches smaller than
-the allocated one; seeded sampling; the exact LoRA restore; the backend choice.
+the allocated one; seeded sampling; the inverse-CDF draw and ``model.generate`` sampling through it (the
+distribution it draws from); the exact LoRA restore; the backend choice.
 """
 import inspect
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils.generation import StaticGenerator, choose_backend, lora_fused
+from utils.generation import StaticGenerator, choose_backend, generate_kwargs, lora_fused, sample_categorical
 from utils.model.model_utils import load_hf_tokenizer
 from utils.model.tiny import resolve_model_path
 from utils.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
@@ -111,6 +112,52 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert torch.equal(sample(5, top_k=1), gen.generate(ids, mask))  # top-1 sampling = greedy
     # top_p: a tiny nucleus keeps only the most likely token, whatever the seed
     assert torch.equal(sample(6, top_p=1e-6), gen.generate(ids, mask))
+
+
+def test_sample_categorical_draws_each_token_at_its_probability_and_never_a_zero_one(monkeypatch):
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 2.0, 0.0, 2.0]])  # rows need not sum to 1
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_categorical(probs, g) for _ in range(20000)])  # [n, 2]
+    freq0 = torch.bincount(draws[:, 0], minlength=4) / len(draws)
+    freq1 = torch.bincount(draws[:, 1], minlength=4) / len(draws)
+    assert torch.allclose(freq0, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.01) and freq0[1] == 0
+    assert torch.allclose(freq1, torch.tensor([0.0, 0.5, 0.0, 0.5]), atol=0.01) and freq1[0] == freq1[2] == 0
+    # a uniform number that rounds up to the row's total lands on the last token with a chance, not past it
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw.get("dtype")))
+    assert sample_categorical(torch.tensor([[0.5, 0.5, 0.0, 0.0]])).tolist() == [1]
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(temperature=0.5), [0.49 / 0.54, 0.04 / 0.54, 0.01 / 0.54, 0.0]),  # p² renormalised
+    (dict(temperature=1.0, top_k=2), [0.7 / 0.9, 0.2 / 0.9, 0.0, 0.0]),
+    (dict(temperature=1.0, top_p=0.75), [0.7 / 0.9, 0.2 / 0.9, 0.0, 0.0]),  # the nucleus 0.7 + 0.2 covers 0.75
+])
+def test_the_sampling_processor_draws_from_the_warped_distribution(kw, expected):
+    """``CategoricalSampling`` (what ``generate_kwargs(True, …)`` hands ``model.generate``): the drawn token keeps
+    score 0 and every other −inf, at the frequencies of the warped softmax (20 000 identical rows)."""
+    scores = torch.tensor([0.7, 0.2, 0.1, 0.0]).log().expand(20000, 4).contiguous()
+    torch.manual_seed(0)
+    out = generate_kwargs(True, **kw)["logits_processor"](None, scores)
+    assert ((out == 0).sum(dim=1) == 1).all() and ((out == 0) | (out == -float("inf"))).all()
+    freq = (out == 0).float().mean(dim=0)
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.01), freq
+
+
+def test_generate_samples_through_the_processor_seeded_and_top_k_1_is_greedy():
+    model, tok = _model("tiny-llama")
+    pad = tok.pad_token_id
+    ids, mask = _prompts(pad)
+    assert generate_kwargs(False) == dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+
+    def sample(seed, **kw):
+        torch.manual_seed(seed)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=A, pad_token_id=pad,
+                              **generate_kwargs(True, **kw))
+
+    assert torch.equal(sample(1, temperature=2.0), sample(1, temperature=2.0))
+    assert not torch.equal(sample(1, temperature=2.0), sample(2, temperature=2.0))
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=A, pad_token_id=pad, **generate_kwargs(False))
+    assert torch.equal(sample(3, temperature=1.0, top_k=1), greedy)
 
 
 def test_lora_fuse_restores_the_base_weights_bit_for_bit_in_bf16():

@@ -184,7 +184,9 @@ def test_sampling_flags_reach_generate():
                                    top_p=0.9)
     exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     kw = engine.actor.module.generate_kwargs
-    assert (kw["do_sample"], kw["temperature"], kw["top_k"], kw["top_p"]) == (True, 0.7, 5, 0.9)
+    # generate decodes greedily over what the sampling processor drew (no torch.multinomial: utils.generation)
+    (sampler,) = kw["logits_processor"]
+    assert kw["do_sample"] is False and (sampler.temperature, sampler.top_k, sampler.top_p) == (0.7, 5, 0.9)
     # log-probs of the distribution the answers were sampled from: logits / temperature
     logits = engine.ref.module(exp.input_ids).logits / 0.7
     expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, exp.input_ids[:, 1:, None]).squeeze(-1)
