@@ -183,8 +183,9 @@ class DeepSpeedRLHFEngine:
         ds_config = train_ds_config(config.dtype, critic.zero_stage, config.offload, config.micro_batch,
                                     critic.grad_accum, tensorboard_path=config.tensorboard_path,
                                     tb_name="step3_critic", autocast=config.autocast)
-        model = create_critic_model(critic.model_name_or_path, self.tokenizer,
-                                    get_eval_ds_config(False, config.dtype, critic.zero_stage),
+        # built under the same precision its engine trains in (ZeRO-3 partitions it in that dtype at construction)
+        build_config = get_eval_ds_config(False, config.dtype, critic.zero_stage, autocast=config.autocast)
+        model = create_critic_model(critic.model_name_or_path, self.tokenizer, build_config,
                                     config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
                                     zero_stage=critic.zero_stage, trust_remote_code=config.trust_remote_code)
         # unlike the reference, --only_optimize_lora keeps the value head trainable
