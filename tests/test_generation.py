@@ -275,3 +275,23 @@ def test_trainer_generates_with_the_module_generate_under_an_active_hybrid_engin
     assert not hasattr(engine.actor, "generate")  # like the engine in the crash
     exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     assert exp.input_ids[0].tolist()[:6] == [5, 6, 7, 3, 4, EOS]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_under_autocast_follows_the_weights_updates():
+    """``--torch_autocast`` on a GPU: each generation runs in its own autocast context, and the actor's fp32 weights
+    change in place between them. A graph captured over autocast's cached bf16 casts would replay the first
+    context's freed casts (seen on an H200: an out-of-range token at the second RL step); it must record the casts."""
+    model, tok = _model("tiny-llama")
+    model = model.cuda()
+    pad, eos = tok.pad_token_id, -1
+    ids, mask = (t.cuda() for t in _prompts(pad))
+    graph = StaticGenerator(model, P, A, eos, pad, use_cuda_graph=True)
+    eager = StaticGenerator(model, P, A, eos, pad, use_cuda_graph=False)
+    for update in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, expected = graph.generate(ids, mask), eager.generate(ids, mask)
+        assert torch.equal(out, expected), f"after {update} weight update(s)"
+        with torch.no_grad():  # an optimizer step: the same tensors, new values
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)

@@ -233,15 +233,19 @@ class StaticGenerator:
         """Record the decode step as a CUDA graph (after the prefill filled the cache)."""
         start = time.time()
         lengths = self._cache_lengths()
+        # Under autocast (--torch_autocast) the graph must record the weights' casts: autocast caches a cast weight
+        # until its context exits, so a graph captured over the cache would replay freed (and stale) memory
+        no_cast_cache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                       enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_cast_cache:
             for _ in range(2):  # warm-up: cuBLAS handles, lazy buffers
                 self._decode_forward()
         torch.cuda.current_stream().wait_stream(stream)
         self._set_cache_lengths(lengths)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph), no_cast_cache:
             self.graph_logits = self._decode_forward()
         self._set_cache_lengths(lengths)  # capture records without running; keep the prefill's length
         torch.cuda.synchronize()
