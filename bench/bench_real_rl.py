@@ -244,7 +244,8 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
             "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
             "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
-            *(["--torch_autocast"] if opts.autocast else [])]
+            *(["--torch_autocast"] if opts.autocast else []),
+            *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
@@ -256,7 +257,8 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             os.path.join(out, "actor"), "--save_at", ",".join(str(s) for s in range(opts.eval_every, opts.steps,
                                                                                      opts.eval_every)),
             "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator], "--dtype", opts.dtype,
-            "--loss_type", "dapo"]  # TRL's token mean over the batch: step 3's loss
+            "--loss_type", "dapo",  # TRL's token mean over the batch: step 3's loss
+            *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
 
 
 def ppo_commands(model: str, data: dict, out: str, opts) -> list:
@@ -409,6 +411,9 @@ def main(argv=None):
     parser.add_argument("--autocast", action="store_true",
                         help="with --dtype bf16, the GRPO row keeps fp32 weights and runs its forward passes under "
                              "bf16 autocast (step 3's --torch_autocast), as TRL's bf16 does")
+    parser.add_argument("--overlong_penalty", type=int, default=0, metavar="L",
+                        help="DAPO's soft overlong penalty over the last L tokens before --answer_len, added to the "
+                             "reward (step 3's --overlong_penalty; TRL's get_soft_overlong_punishment); 0: off")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")

@@ -196,18 +196,19 @@ def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatc
     assert log.read_text().split() == [os.pathsep.join([str(REPO), str(tmp_path / "site")])]
 
 
-@pytest.mark.parametrize("estimator,scale_rewards,dtype,autocast", [("grpo", "group", "fp32", False),
-                                                                   ("dr_grpo", "none", "bf16", False),
-                                                                   ("grpo", "group", "bf16", True)])
-def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, dtype, autocast, tmp_path):
+@pytest.mark.parametrize("estimator,scale_rewards,dtype,autocast,overlong", [("grpo", "group", "fp32", False, 0),
+                                                                            ("dr_grpo", "none", "bf16", False, 0),
+                                                                            ("grpo", "group", "bf16", True, 32)])
+def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, dtype, autocast, overlong,
+                                                          tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
                      reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
-                     dtype=dtype, autocast=autocast)
+                     dtype=dtype, autocast=autocast, overlong_penalty=overlong)
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
-    assert (args.dtype, args.torch_autocast) == (dtype, autocast)
+    assert (args.dtype, args.torch_autocast, args.overlong_penalty) == (dtype, autocast, overlong)
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
@@ -229,6 +230,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     peer = load_module("peers/trl_run")
     peer_args = peer.parse_args(trl[1:])  # TRL's runner takes every flag the bench passes
     assert peer_args.lr_scheduler == "cosine" and peer_args.dtype == dtype
+    assert peer_args.overlong_penalty == overlong  # the same length penalty on both rows
     assert peer.common_args(peer_args)["bf16"] == (dtype == "bf16")  # TRL trains in the same precision
     for step in (11, 5):
         os.makedirs(tmp_path / "trl" / f"actor-step-{step}")

@@ -107,7 +107,12 @@ def run_grpo(args, log: StepLog):
                         max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
                         beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2,
                         num_iterations=1)
-    trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, train_dataset=data)
+    rewards = [reward]
+    if args.overlong_penalty:  # DAPO's soft overlong punishment, summed with the task's reward as step 3 adds it
+        from trl.rewards import get_soft_overlong_punishment
+
+        rewards.append(get_soft_overlong_punishment(args.answer_len, args.overlong_penalty))
+    trainer = GRPOTrainer(model=args.model, reward_funcs=rewards, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     if args.save and args.save_at:
         trainer.add_callback(save_at_steps(trainer, args.save_at, args.save))
@@ -222,6 +227,8 @@ def parse_args(argv=None):
                         help="grpo: TRL's loss_type (dapo = the token mean over the batch, step 3's default)")
     parser.add_argument("--scale_rewards", choices=("group", "batch", "none"), default="group",
                         help="grpo: TRL's scale_rewards (group: GRPO's division by the group's std; none: Dr. GRPO's)")
+    parser.add_argument("--overlong_penalty", type=int, default=0, metavar="L",
+                        help="grpo: add DAPO's soft overlong punishment over the last L tokens (0: off)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     parser.add_argument("--save_at", default="", help="grpo: also save after these steps (\"11\"), to SAVE-step-N")
     return parser.parse_args(argv)
