@@ -72,6 +72,7 @@ class Chatbot:
         from transformers import AutoModelForCausalLM
 
         from utils.data.chat_template import chat_format, has_chat_template, trained_with_template
+        from utils.generation import generate_kwargs  # sampling by the inverse CDF, as step 3 samples
         from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
 
         folder = resolve_model_name_or_path(actor_folder(path))
@@ -87,10 +88,9 @@ class Chatbot:
                                                           local_files_only=os.path.isdir(folder))
         self.model.to(self.device).eval()
         stop = list(self.chat.stop_ids) if self.chat else self.tokenizer.eos_token_id
-        self.generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                    eos_token_id=stop, pad_token_id=self.tokenizer.pad_token_id)
-        if do_sample:
-            self.generate_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.generate_kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=stop,
+                                    pad_token_id=self.tokenizer.pad_token_id,
+                                    **generate_kwargs(do_sample, temperature, top_k, top_p))
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.history = ""  # DeepSpeed-Chat's text
         self.messages = []  # the chat template's conversation

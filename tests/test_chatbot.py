@@ -106,6 +106,6 @@ def test_weights_load_as_saved_on_a_gpu_and_in_fp32_on_a_cpu():
 
 def test_bf16_and_top_k_sampling_on_a_cpu(tiny_folder):
     bot = Chatbot(tiny_folder, max_new_tokens=4, device="cpu", do_sample=True, top_k=1, dtype="bf16")
-    assert bot.model.dtype is torch.bfloat16 and bot.generate_kwargs["top_k"] == 1
+    assert bot.model.dtype is torch.bfloat16 and bot.generate_kwargs["logits_processor"][0].top_k == 1
     greedy = Chatbot(tiny_folder, max_new_tokens=4, device="cpu", dtype="bf16")
     assert bot.reply("Describe the lamp.") == greedy.reply("Describe the lamp.")  # top-1 sampling is greedy

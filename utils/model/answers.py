@@ -30,6 +30,7 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
     depend on its batch only through float rounding).
     """
     from utils.data.chat_template import dschat_messages
+    from utils.generation import generate_kwargs
 
     device = next(model.parameters()).device
     if chat is not None:
@@ -44,9 +45,10 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
         groups = {}
         for i, ids in enumerate(encoded):
             groups.setdefault(len(ids), []).append(i)
-    decoding = dict(do_sample=False) if sampling is None else dict(
-        do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"],
-        num_return_sequences=per_prompt)
+    # sampled by the inverse CDF, as step 3 samples (utils.generation): greedy generate over a drawing processor,
+    # which takes no num_return_sequences, so a prompt's row is repeated for its answers
+    decoding = generate_kwargs(False) if sampling is None else generate_kwargs(
+        True, sampling["temperature"], sampling["top_k"], sampling["top_p"])
     n = 1 if sampling is None else per_prompt
     answers = [""] * (len(prompts) * n)
     pad = tokenizer.pad_token_id
@@ -60,6 +62,7 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
                 mask = torch.zeros_like(ids)
                 for row, i in enumerate(chunk):
                     ids[row, length - len(encoded[i]):], mask[row, length - len(encoded[i]):] = encoded[i], 1
+                ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
                 with torch.no_grad():
                     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **decoding,
                                          max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=pad)
