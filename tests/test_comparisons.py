@@ -28,7 +28,7 @@ def test_ranked_pairs_by_hand():
 
 def base(tmp_path, *extra):
     return ["--actor_model_name_or_path", "tiny-llama", "--data_path", "builtin/demonstrations-small",
-            "--data_output_path", tmp_path / "data", "--num_answers", 3, "--max_prompts", 12, "--max_eval_prompts",
+            "--data_output_path", tmp_path / "data", "--num_answers", 4, "--max_prompts", 12, "--max_eval_prompts",
             4, "--max_new_tokens", 12, "--output_dir", tmp_path / "out", *extra]
 
 
@@ -41,7 +41,7 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
     files = ["comparisons.json", "eval.jsonl", "train.jsonl"] if report["eval"]["pairs"] else \
         ["comparisons.json", "train.jsonl"]  # a random actor's eval answers may all tie: step 2 splits 9:1
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == files  # not the run's manifest
-    assert report["train"]["prompts"] == 12 and report["eval"]["prompts"] == 4 and report["train"]["answers"] == 36
+    assert report["train"]["prompts"] == 12 and report["eval"]["prompts"] == 4 and report["train"]["answers"] == 48
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(rows) == report["train"]["pairs"] > 0
     for row in rows:  # the labeller's order, recomputed
@@ -69,7 +69,7 @@ LABELLERS = {
     "raises": ("def label(prompts, answers, rows):\n    raise KeyError('score')\n",
                "--label_fn {f}:label raised KeyError: 'score' on row 0 (prompt"),
     "wrong_count": ("def label(prompts, answers, rows):\n    return [0.0, 1.0]\n",
-                    "--label_fn {f}:label returned 2 scores for 36 answers"),
+                    "--label_fn {f}:label returned 2 scores for 48 answers"),
     "nan": ("def label(prompts, answers, rows):\n    return [float('nan')] * len(answers)\n",
             "--label_fn {f}:label returned nan for row 0"),
     "all_tied": ("def label(prompts, answers, rows):\n    return [1.0] * len(answers)\n",
