@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils.generation import StaticGenerator, choose_backend, generate_kwargs, lora_fused, sample_categorical
+from utils.generation import (StaticGenerator, choose_backend, generate_kwargs, lora_fused, sample_categorical,
+                              uncached_autocast)
 from utils.model.model_utils import load_hf_tokenizer
 from utils.model.tiny import resolve_model_path
 from utils.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
@@ -275,6 +276,28 @@ def test_trainer_generates_with_the_module_generate_under_an_active_hybrid_engin
     assert not hasattr(engine.actor, "generate")  # like the engine in the crash
     exp = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     assert exp.input_ids[0].tolist()[:6] == [5, 6, 7, 3, 4, EOS]
+
+
+def test_uncached_autocast_sees_in_place_weight_updates_and_keeps_the_active_setting():
+    """The CUDA graph's capture context (StaticGenerator._capture), on the CPU's autocast: the cache it turns off is
+    the one that hides an in-place update of a weight from the next forward."""
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = linear(x)
+        with torch.no_grad():
+            linear.weight.add_(1.0)
+        assert torch.equal(linear(x), before)  # autocast's cached bf16 weight: the update is not seen
+        with uncached_autocast("cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            assert not torch.is_autocast_cache_enabled()
+            fresh = linear(x)
+            assert fresh.dtype == torch.bfloat16 and not torch.equal(fresh, before)
+            with torch.no_grad():
+                linear.weight.add_(1.0)
+            assert not torch.equal(linear(x), fresh)  # every forward casts the weights as they are now
+    with uncached_autocast("cpu"):  # no autocast active: none switched on
+        assert not torch.is_autocast_enabled("cpu") and linear(x).dtype == torch.float32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -98,6 +98,16 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = 
     return torch.minimum(token, last).squeeze(1)
 
 
+def uncached_autocast(device_type: str):
+    """The autocast now active on ``device_type`` (on or off, its dtype) without its cache of cast weights.
+
+    Autocast casts a weight once per context and reuses the copy until the context exits; a CUDA graph captured
+    over that copy would replay freed memory, and even within one context an in-place update of the weight (an
+    optimizer step) is not seen. Under this context every forward casts the weights as they are now."""
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type),
+                          enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
+
+
 def sampling_warpers(temperature: float | None, top_k: int | None, top_p: float | None):
     """Hugging Face's temperature / top-k / top-p warpers for the settings that change anything."""
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
@@ -233,10 +243,7 @@ class StaticGenerator:
         """Record the decode step as a CUDA graph (after the prefill filled the cache)."""
         start = time.time()
         lengths = self._cache_lengths()
-        # Under autocast (--torch_autocast) the graph must record the weights' casts: autocast caches a cast weight
-        # until its context exits, so a graph captured over the cache would replay freed (and stale) memory
-        no_cast_cache = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
-                                       enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        no_cast_cache = uncached_autocast("cuda")  # --torch_autocast: the graph records the weights' casts
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), no_cast_cache:
