@@ -244,7 +244,7 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
             "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
             "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
-            *(["--torch_autocast"] if opts.autocast else []),
+            "--adam_betas", *map(str, opts.adam_betas), *(["--torch_autocast"] if opts.autocast else []),
             *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
 
 
@@ -258,6 +258,7 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
                                                                                      opts.eval_every)),
             "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator], "--dtype", opts.dtype,
             "--loss_type", "dapo",  # TRL's token mean over the batch: step 3's loss
+            "--adam_betas", *map(str, opts.adam_betas),  # step 3's AdamW, not transformers' default (0.9, 0.999)
             *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
 
 
@@ -274,15 +275,16 @@ def ppo_commands(model: str, data: dict, out: str, opts) -> list:
         ["step2_reward_model_finetuning/main.py", "--model_name_or_path", model, "--data_path", comparisons,
          "--data_split", "0,1,0", "--num_padding_at_beginning", "0", "--max_seq_len", "320",
          "--per_device_train_batch_size", "8", "--learning_rate", "2e-5", "--reward_loss", "end", "--max_steps", "40",
-         "--dtype", "fp32", "--output_dir", reward, "--overwrite", *common],
+         "--dtype", "fp32", "--adam_betas", *map(str, opts.adam_betas), "--output_dir", reward, "--overwrite",
+         *common],
         ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--critic_model_name_or_path", reward,
          "--data_path", data["train"], "--data_split", "0,0,1", "--num_padding_at_beginning", "0",
          "--per_device_generation_batch_size", str(opts.prompts), "--per_device_training_batch_size",
          str(opts.prompts), "--max_prompt_seq_len", "192", "--max_answer_seq_len", str(opts.answer_len),
          "--do_sample", "--temperature", "1.0", "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr),
          "--critic_learning_rate", "5e-6", "--lr_scheduler_type", "constant", "--num_warmup_steps", "0",
-         "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype", "fp32", "--output_dir",
-         os.path.join(out, "step3"), "--overwrite", *common],
+         "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype", "fp32", "--adam_betas",
+         *map(str, opts.adam_betas), "--output_dir", os.path.join(out, "step3"), "--overwrite", *common],
     ]
 
 
@@ -414,6 +416,9 @@ def main(argv=None):
     parser.add_argument("--overlong_penalty", type=int, default=0, metavar="L",
                         help="DAPO's soft overlong penalty over the last L tokens before --answer_len, added to the "
                              "reward (step 3's --overlong_penalty; TRL's get_soft_overlong_punishment); 0: off")
+    parser.add_argument("--adam_betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
+                        help="AdamW's betas on every row (steps' --adam_betas; TRL's adam_beta1/2): DeepSpeed-Chat's "
+                             "0.9 0.95 by default (TRL's own default is 0.9 0.999)")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")

@@ -204,19 +204,22 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
                      reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
-                     dtype=dtype, autocast=autocast, overlong_penalty=overlong)
+                     dtype=dtype, autocast=autocast, overlong_penalty=overlong, adam_betas=[0.9, 0.999])
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
     assert (args.dtype, args.torch_autocast, args.overlong_penalty) == (dtype, autocast, overlong)
+    assert args.adam_betas == [0.9, 0.999]
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
     assert (args.advantage_estimator, args.loss_agg) == (estimator, "token_mean")  # TRL's dapo loss: the token mean
     collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
     importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
-    validate_common(importlib.import_module(MAINS["2"]).parse_args(rm[1:]))
+    rm_args = importlib.import_module(MAINS["2"]).parse_args(rm[1:])
+    validate_common(rm_args)
     args = importlib.import_module(MAINS["3"]).parse_args(ppo[1:])
+    assert rm_args.adam_betas == args.adam_betas == [0.9, 0.999]
     args.dtype = "fp32"
     validate_step3(args)
     assert args.advantage_estimator == "gae" and args.max_steps == 22
@@ -232,6 +235,8 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     assert peer_args.lr_scheduler == "cosine" and peer_args.dtype == dtype
     assert peer_args.overlong_penalty == overlong  # the same length penalty on both rows
     assert peer.common_args(peer_args)["bf16"] == (dtype == "bf16")  # TRL trains in the same precision
+    assert (peer.common_args(peer_args)["adam_beta1"], peer.common_args(peer_args)["adam_beta2"]) == (0.9, 0.999)
+    assert peer.parse_args(["grpo", "--model", "m", "--data", "d", "--out", "o"]).adam_betas == [0.9, 0.95]  # ours
     for step in (11, 5):
         os.makedirs(tmp_path / "trl" / f"actor-step-{step}")
     assert bench.trl_checkpoints(str(tmp_path / "trl")) == {s: (str(tmp_path / "trl" / f"actor-step-{s}"), None)
@@ -261,3 +266,42 @@ def test_algorithms_bench_commands_are_accepted_by_step_3(name, tmp_path):
         if name == "dapo":
             assert (args.cliprange, args.cliprange_high, args.dynamic_sampling, args.loss_agg) == \
                 (0.2, 0.28, True, "token_mean")
+
+
+def test_trl_parity_bench_takes_step3s_gradient_which_is_the_textbook_grpo_gradient(tmp_path):
+    """bench/bench_trl_parity.py compares step 3's gradient on one sampled batch with TRL's (never in the test run).
+    Its step-3 half on the tiny model: the batch it writes for TRL, and the gradient it keeps, equal GRPO's loss
+    written out plainly on that batch (one full forward, group-normalised scores, the clipped ratio at 1, k3 KL
+    to the reference log-probs, the token mean), which is also what :func:`compare` reports as no difference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from utils.model.tiny import resolve_model_path
+
+    bench = load_module("bench_trl_parity")
+    path = resolve_model_path("tiny-llama")
+    ours = bench.step3_side(path, answer_len=8, seed=1234, work=str(tmp_path))
+    batch = torch.load(ours["batch"])
+    assert batch["completion_ids"].shape == (16, 8) and batch["completion_mask"].sum() == ours["tokens"]
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    P = batch["prompt_ids"].shape[1]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, P - 1:-1].float(), -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+    scores = batch["scores"].view(-1, 4)
+    advantages = ((scores - scores.mean(1, keepdim=True)) / (scores.std(1, keepdim=True) + 1e-6)).flatten()
+    ref, m = batch["ref_per_token_logps"], batch["completion_mask"].float()
+    per_token = -advantages[:, None] * torch.exp(logp - logp.detach()) + bench.BETA * (torch.exp(ref - logp) -
+                                                                                       (ref - logp) - 1)
+    loss = (per_token * m).sum() / m.sum()
+    loss.backward()
+    plain = {"loss": loss.item(), "logprobs": logp.detach() * m, "advantages": advantages,
+             "grads": {n: p.grad for n, p in model.named_parameters()}}
+    assert set(ours["grads"]) == set(plain["grads"])  # every weight has its gradient
+    rows = dict(bench.compare(ours, plain))
+    assert float(rows["gradient: relative L2 difference, all weights"]) < 1e-4
+    assert abs(float(rows["gradient: cosine, all weights"]) - 1) < 1e-6
+    assert float(rows["advantages: max |difference|"]) < 1e-6 and abs(ours["loss"] - plain["loss"]) < 1e-5
+    assert any(g.abs().sum() > 0 for g in ours["grads"].values())

@@ -209,3 +209,26 @@ def test_one_cpu_process_neither_builds_nor_loads_deepspeeds_shm_op():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "op None sum [1.0, 1.0, 1.0] buffers []" in proc.stdout
     assert "shm_comm_op built successfully" not in proc.stdout + proc.stderr
+
+
+def test_adam_betas_reach_every_steps_optimizer_and_out_of_range_ones_are_refused(capsys):
+    """``--adam_betas`` (DeepSpeed-Chat's 0.9 0.95 by default; TRL's 0.999 for the second) is what AdamW steps with,
+    for step 1 and for step 3's actor and critic; a beta outside [0, 1) is one argparse line."""
+    from step1_supervised_finetuning.main import parse_args as step1_args
+    from step3_rlhf_finetuning.main import parse_args as step3_args
+    from utils.training import OptimConfig
+
+    model = torch.nn.Linear(3, 2)
+
+    def betas_of(optim):
+        return ds_utils.create_optimizer(model, optim.weight_decay, optim.learning_rate, optim.lora_learning_rate,
+                                         False, optim.betas).param_groups[0]["betas"]
+
+    assert betas_of(OptimConfig.from_args(step1_args([]))) == (0.9, 0.95)
+    assert betas_of(OptimConfig.from_args(step1_args(["--adam_betas", "0.8", "0.999"]))) == (0.8, 0.999)
+    step3 = step3_args(["--actor_model_name_or_path", "tiny-llama", "--adam_betas", "0.85", "0.99"])
+    assert betas_of(OptimConfig.from_args(step3, "actor")) == betas_of(OptimConfig.from_args(step3, "critic")) \
+        == (0.85, 0.99)
+    with pytest.raises(SystemExit):
+        step1_args(["--adam_betas", "0.9", "1.0"])
+    assert "--adam_betas: must be in [0, 1), got 1.0" in capsys.readouterr().err

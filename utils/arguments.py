@@ -95,6 +95,9 @@ def add_training_args(parser: argparse.ArgumentParser):
     return g
 
 
+ADAM_BETAS = (0.9, 0.95)  # DeepSpeed-Chat's (its create_optimizer); transformers' Trainer: (0.9, 0.999)
+
+
 def add_run_args(group, unit: str = "optimizer steps", output: str = "the model") -> None:
     """The run's length, schedule, seed, output folder and loss precision: steps 1, 2 and DPO through
     :func:`add_training_args`; step 3 directly, counting in PPO steps."""
@@ -107,6 +110,9 @@ def add_run_args(group, unit: str = "optimizer steps", output: str = "the model"
     group.add_argument("--num_warmup_steps", type=int, default=0, help="Warm-up steps of the schedule.")
     group.add_argument("--output_dir", type=str, default=None, help=f"Where {output} is saved.")
     group.add_argument("--seed", type=seed_int, default=1234, help="Random seed (DeepSpeed-Chat defaults to none).")
+    group.add_argument("--adam_betas", type=adam_beta, nargs=2, default=list(ADAM_BETAS), metavar=("BETA1", "BETA2"),
+                       help="AdamW's betas, of every trained model (DeepSpeed-Chat's 0.9 0.95; transformers' and "
+                            "TRL's default is 0.9 0.999).")
     group.add_argument("--compute_fp32_loss", action="store_true",
                        help="Accepted for DeepSpeed-Chat's scripts; no effect: every loss is computed in fp32 "
                             "(logits are upcast, as in transformers 5's own loss, which DeepSpeed-Chat's steps use).")
@@ -189,6 +195,14 @@ def seed_int(text: str) -> int:
     value = int(text)
     if not 0 <= value < 2 ** 32:
         raise argparse.ArgumentTypeError(f"must be between 0 and 2**32 - 1, got {value}")
+    return value
+
+
+def adam_beta(text: str) -> float:
+    """argparse type: one of Adam's betas, in [0, 1)."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
     return value
 
 

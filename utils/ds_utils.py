@@ -6,6 +6,8 @@ micro batch × world size × gradient accumulation.
 """
 from __future__ import annotations
 
+from utils.arguments import ADAM_BETAS
+
 GLOBAL_BATCH_SIZE = 32  # placeholders, overwritten by the caller like the reference
 MICRO_BATCH_SIZE = 4
 
@@ -127,7 +129,7 @@ def get_optimizer_grouped_parameters(model, weight_decay: float, lora_lr: float 
 
 
 def create_optimizer(model, weight_decay: float, learning_rate: float, lora_learning_rate: float,
-                     offload: bool, betas=(0.9, 0.95)):
+                     offload: bool, betas=ADAM_BETAS):
     """DeepSpeedCPUAdam with ``--offload``; else torch's fused AdamW (on a GPU and on a CPU).
 
     DeepSpeed-Chat uses DeepSpeed's FusedAdam on a GPU. torch's fused AdamW runs the

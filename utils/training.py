@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from utils.arguments import ADAM_BETAS
 from utils.checkpoint import resumable_loader
 from utils.distributed import get_world_size, init_distributed
 from utils.logger import TrainLogger
@@ -273,6 +274,7 @@ class OptimConfig:
     offload: bool
     lr_scheduler_type: str
     num_warmup_steps: int
+    betas: tuple = ADAM_BETAS  # AdamW's (--adam_betas)
 
     @classmethod
     def from_args(cls, args, role: str | None = None) -> "OptimConfig":
@@ -281,7 +283,8 @@ class OptimConfig:
         return cls(learning_rate=getattr(args, f"{prefix}learning_rate"),
                    weight_decay=getattr(args, f"{prefix}weight_decay"),
                    lora_learning_rate=getattr(args, f"{prefix}lora_learning_rate"), offload=args.offload,
-                   lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps)
+                   lr_scheduler_type=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps,
+                   betas=tuple(getattr(args, "adam_betas", None) or ADAM_BETAS))
 
 
 def skips_identity_allreduce(engine) -> bool:
@@ -306,7 +309,7 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
     optimizer = lr_scheduler = None
     if optim is not None:
         optimizer = create_optimizer(model, optim.weight_decay, optim.learning_rate, optim.lora_learning_rate,
-                                     optim.offload)
+                                     optim.offload, optim.betas)
         lr_scheduler = get_scheduler(optim.lr_scheduler_type, optimizer=optimizer,
                                      num_warmup_steps=optim.num_warmup_steps, num_training_steps=total_steps)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -65,7 +65,7 @@ def common_args(args) -> dict:
                 use_cpu=not on_gpu(), bf16=args.dtype == "bf16", fp16=False, report_to=[], save_strategy="no",
                 eval_strategy="no", seed=args.seed,
                 gradient_checkpointing=False, gradient_accumulation_steps=1, dataloader_num_workers=0,
-                model_init_kwargs={"dtype": "float32"})
+                adam_beta1=args.adam_betas[0], adam_beta2=args.adam_betas[1], model_init_kwargs={"dtype": "float32"})
 
 
 def grpo_task(args):
@@ -124,6 +124,48 @@ def run_grpo(args, log: StepLog):
     counts = [0] + log.num_tokens
     for line, (before, after) in zip(log.lines, zip(counts, counts[1:])):
         line["tokens"] = int(after - before)
+
+
+def run_grpo_loss(args, log: StepLog):
+    """TRL's GRPO loss and gradient on a batch step 3 sampled (``bench/bench_trl_parity.py``): ``--data`` is its
+    ``batch.pt`` (prompt and completion ids and masks, scores, reference log-probs); writes ``OUT/grads.pt``
+    (``loss``, ``logprobs``, ``advantages``, ``grads`` of every weight, the ``optimizer`` settings TRL would step
+    with). The advantages are TRL's own formula (``scale_rewards="group"``: the group's sample std + 1e-4), the
+    loss TRL's ``compute_loss`` as ``run_grpo`` configures it (``loss_type="dapo"``), in fp32."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    batch = torch.load(args.data)
+    B, G = len(batch["scores"]), batch["group"]
+    args.steps, args.dtype = 1, "fp32"
+    config = GRPOConfig(**common_args(args), per_device_train_batch_size=B, num_generations=G,
+                        max_completion_length=batch["completion_ids"].shape[1], beta=batch["beta"],
+                        loss_type="dapo", scale_rewards="group", epsilon=0.2, num_iterations=1)
+    data = Dataset.from_list([{"prompt": "unused"}] * B)
+    trainer = GRPOTrainer(model=args.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=config, train_dataset=data)
+    model = trainer.model.train()
+    scores = batch["scores"].view(-1, G)
+    advantages = ((scores - scores.mean(dim=1, keepdim=True)) / (scores.std(dim=1, keepdim=True) + 1e-4)).flatten()
+    inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                    "ref_per_token_logps")}
+    inputs.update(advantages=advantages, old_per_token_logps=None,
+                  num_items_in_batch=batch["completion_mask"].sum().float())
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this bypasses
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logprobs, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, ids.shape[1] -
+                                                                    inputs["prompt_ids"].shape[1])
+    optimizer = {"optimizer": f"{config.optim}", "betas": str((config.adam_beta1, config.adam_beta2)),
+                 "eps": str(config.adam_epsilon), "weight decay": str(config.weight_decay),
+                 "gradient clipping (max norm)": str(config.max_grad_norm)}
+    torch.save({"loss": float(loss), "logprobs": logprobs * inputs["completion_mask"], "advantages": advantages,
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+                "optimizer": optimizer}, os.path.join(args.out, "grads.pt"))
 
 
 def save_at_steps(trainer, steps: str, final: str):
@@ -200,7 +242,7 @@ def run_dpo(args, log: StepLog):
     trainer.train()
 
 
-RUNNERS = {"grpo": run_grpo, "sft": run_sft, "rm": run_rm, "dpo": run_dpo}
+RUNNERS = {"grpo": run_grpo, "sft": run_sft, "rm": run_rm, "dpo": run_dpo, "grpo_loss": run_grpo_loss}
 
 
 def parse_args(argv=None):
@@ -217,6 +259,8 @@ def parse_args(argv=None):
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--adam_betas", type=float, nargs=2, default=[0.9, 0.95],
+                        help="AdamW's betas: the project's (DeepSpeed-Chat's) by default, not transformers' 0.999")
     parser.add_argument("--lr_scheduler", default="constant", help="TRL's lr_scheduler_type (constant, cosine, …)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of the learning rate")
     parser.add_argument("--temperature", type=float, default=1.0, help="grpo: sampling temperature")
