@@ -140,9 +140,9 @@ def compare(ours: dict, trl: dict) -> list:
 
     mask = ours["mask"].bool()
     rows = [("answers / answer tokens", f"{ours['answers']} / {ours['tokens']}"),
-            ("log-probs: max |difference| (answer tokens)",
+            ("log-probs: max abs difference (answer tokens)",
              f"{float((ours['logprobs'] - trl['logprobs'])[mask].abs().max()):.2e}"),
-            ("advantages: max |difference|", f"{float((ours['advantages'] - trl['advantages']).abs().max()):.2e}"),
+            ("advantages: max abs difference", f"{float((ours['advantages'] - trl['advantages']).abs().max()):.2e}"),
             ("loss: step 3 / TRL", f"{ours['loss']:.6f} / {trl['loss']:.6f}")]
     names = sorted(set(ours["grads"]) & set(trl["grads"]))
     missing = sorted(set(ours["grads"]) ^ set(trl["grads"]))
