@@ -128,7 +128,7 @@ def trl_side(python: str, model_path: str, batch_file: str, work: str) -> dict:
     cmd = [python, os.path.join(REPO, "bench", "peers", "trl_run.py"), "grpo_loss", "--model", model_path,
            "--data", batch_file, "--out", out, "--beta", str(BETA)]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
-    return torch.load(os.path.join(out, "grads.pt"))
+    return torch.load(os.path.join(out, "grads.pt"), weights_only=True)
 
 
 def compare(ours: dict, trl: dict) -> list:

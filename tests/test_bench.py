@@ -281,7 +281,7 @@ def test_trl_parity_bench_takes_step3s_gradient_which_is_the_textbook_grpo_gradi
     bench = load_module("bench_trl_parity")
     path = resolve_model_path("tiny-llama")
     ours = bench.step3_side(path, answer_len=8, seed=1234, work=str(tmp_path))
-    batch = torch.load(ours["batch"])
+    batch = torch.load(ours["batch"], weights_only=True)
     assert batch["completion_ids"].shape == (16, 8) and batch["completion_mask"].sum() == ours["tokens"]
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()

@@ -99,7 +99,7 @@ ADAM_BETAS = (0.9, 0.95)  # DeepSpeed-Chat's (its create_optimizer); transformer
 
 
 def add_run_args(group, unit: str = "optimizer steps", output: str = "the model") -> None:
-    """The run's length, schedule, seed, output folder and loss precision: steps 1, 2 and DPO through
+    """The run's length, schedule, seed, Adam betas, output folder and loss precision: steps 1, 2 and DPO through
     :func:`add_training_args`; step 3 directly, counting in PPO steps."""
     group.add_argument("--num_train_epochs", type=int, default=1, help="Passes over the training data.")
     group.add_argument("--max_steps", type=int, default=0,

@@ -136,7 +136,7 @@ def run_grpo_loss(args, log: StepLog):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    batch = torch.load(args.data)
+    batch = torch.load(args.data, weights_only=True)
     B, G = len(batch["scores"]), batch["group"]
     args.steps, args.dtype = 1, "fp32"
     config = GRPOConfig(**common_args(args), per_device_train_batch_size=B, num_generations=G,
