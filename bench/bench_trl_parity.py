@@ -70,7 +70,6 @@ class GradientKeeper(torch.nn.Module):
 
 def step3_side(model_path: str, answer_len: int, seed: int, work: str) -> dict:
     """Sample the batch with step 3's trainer, take its update's gradient, write the batch for TRL."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
@@ -122,8 +121,6 @@ def step3_side(model_path: str, answer_len: int, seed: int, work: str) -> dict:
 
 def trl_side(python: str, model_path: str, batch_file: str, work: str) -> dict:
     """TRL's ``compute_loss`` and gradient on the batch (``trl_run.py grpo_loss`` in the peer environment)."""
-    import torch
-
     out = os.path.join(work, "trl")
     cmd = [python, os.path.join(REPO, "bench", "peers", "trl_run.py"), "grpo_loss", "--model", model_path,
            "--data", batch_file, "--out", out, "--beta", str(BETA)]
@@ -133,8 +130,6 @@ def trl_side(python: str, model_path: str, batch_file: str, work: str) -> dict:
 
 def compare(ours: dict, trl: dict) -> list:
     """``[(quantity, value)]``: how far TRL's numbers are from step 3's on the same batch."""
-    import torch
-
     def rel(a, b):
         return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
@@ -159,13 +154,11 @@ def compare(ours: dict, trl: dict) -> list:
 
 def optimizer_settings(trl: dict) -> list:
     """``[(setting, step 3, TRL)]``: what each side's optimizer step would use."""
-    from utils import ds_utils
+    from utils.arguments import ADAM_BETAS
+    from utils.ds_utils import get_train_ds_config
 
-    import inspect
-
-    betas = inspect.signature(ds_utils.create_optimizer).parameters["betas"].default
-    clip = ds_utils.get_train_ds_config(offload=False, dtype="fp32", stage=0)["gradient_clipping"]
-    ours = {"optimizer": "torch AdamW", "betas": str(tuple(betas)), "eps": "1e-08", "weight decay": "0.0",
+    clip = get_train_ds_config(offload=False, dtype="fp32", stage=0)["gradient_clipping"]
+    ours = {"optimizer": "torch AdamW", "betas": str(ADAM_BETAS), "eps": "1e-08", "weight decay": "0.0",
             "gradient clipping (max norm)": str(clip)}
     return [(k, v, str(trl["optimizer"].get(k, "?"))) for k, v in ours.items()]
 
@@ -192,14 +185,15 @@ def main(argv=None) -> int:
 
     print(f"\n### One GRPO update on the same batch: step 3's trainer and TRL {opts.trl}'s GRPOTrainer "
           f"({os.path.basename(opts.model.rstrip('/'))}, fp32, β {BETA}, {len(PROMPTS)} prompts × {GROUP})\n")
+    rows, optimizer = compare(ours, trl), optimizer_settings(trl)  # once: compare concatenates every gradient
     print("| quantity | value |\n|---|---|")
-    for name, value in compare(ours, trl):
+    for name, value in rows:
         print(f"| {name} | {value} |")
     print("\n| optimizer setting | step 3 | TRL (trl_run.py) |\n|---|---|---|")
-    for name, a, b in optimizer_settings(trl):
+    for name, a, b in optimizer:
         print(f"| {name} | {a} | {b} |")
     with open(os.path.join(work, "parity.json"), "w") as f:
-        json.dump({"rows": compare(ours, trl), "optimizer": optimizer_settings(trl)}, f, indent=1)
+        json.dump({"rows": rows, "optimizer": optimizer}, f, indent=1)
     return 0
 
 
