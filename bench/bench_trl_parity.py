@@ -121,10 +121,12 @@ def step3_side(model_path: str, answer_len: int, seed: int, work: str) -> dict:
 
 def trl_side(python: str, model_path: str, batch_file: str, work: str) -> dict:
     """TRL's ``compute_loss`` and gradient on the batch (``trl_run.py grpo_loss`` in the peer environment)."""
+    from train import child_env
+
     out = os.path.join(work, "trl")
     cmd = [python, os.path.join(REPO, "bench", "peers", "trl_run.py"), "grpo_loss", "--model", model_path,
            "--data", batch_file, "--out", out, "--beta", str(BETA)]
-    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    subprocess.run(cmd, check=True, cwd=REPO, env=child_env())  # the repository before the user's PYTHONPATH
     return torch.load(os.path.join(out, "grads.pt"), weights_only=True)
 
 
@@ -153,13 +155,20 @@ def compare(ours: dict, trl: dict) -> list:
 
 
 def optimizer_settings(trl: dict) -> list:
-    """``[(setting, step 3, TRL)]``: what each side's optimizer step would use."""
-    from utils.arguments import ADAM_BETAS
-    from utils.ds_utils import get_train_ds_config
+    """``[(setting, step 3, TRL)]``: what each side's optimizer step would use. Step 3's side is the AdamW its actor
+    gets at step 3's default flags (:func:`utils.ds_utils.create_optimizer`, on a stand-in linear layer)."""
+    from step3_rlhf_finetuning.main import parse_args
+    from utils.ds_utils import create_optimizer, get_train_ds_config
+    from utils.training import OptimConfig
 
+    args = parse_args(["--actor_model_name_or_path", "actor"])
+    optim = OptimConfig.from_args(args, "actor")
+    adam = create_optimizer(torch.nn.Linear(2, 2), optim.weight_decay, optim.learning_rate, optim.lora_learning_rate,
+                            offload=False, betas=optim.betas)
+    weights = adam.param_groups[0]  # the group with weight decay (biases and norms have none)
     clip = get_train_ds_config(offload=False, dtype="fp32", stage=0)["gradient_clipping"]
-    ours = {"optimizer": "torch AdamW", "betas": str(ADAM_BETAS), "eps": "1e-08", "weight decay": "0.0",
-            "gradient clipping (max norm)": str(clip)}
+    ours = {"optimizer": f"torch {type(adam).__name__}", "betas": str(weights["betas"]), "eps": f"{weights['eps']:g}",
+            "weight decay": str(weights["weight_decay"]), "gradient clipping (max norm)": str(clip)}
     return [(k, v, str(trl["optimizer"].get(k, "?"))) for k, v in ours.items()]
 
 

@@ -305,3 +305,28 @@ def test_trl_parity_bench_takes_step3s_gradient_which_is_the_textbook_grpo_gradi
     assert abs(float(rows["gradient: cosine, all weights"]) - 1) < 1e-6
     assert float(rows["advantages: max abs difference"]) < 1e-6 and abs(ours["loss"] - plain["loss"]) < 1e-5
     assert any(g.abs().sum() > 0 for g in ours["grads"].values())
+
+
+def test_trl_parity_bench_reads_step3s_optimizer_and_keeps_the_users_pythonpath(tmp_path, monkeypatch):
+    """The optimizer column is the AdamW step 3's actor gets at its default flags (so a changed default shows up in
+    the table), and TRL's half runs with the repository before, not instead of, the caller's PYTHONPATH."""
+    import subprocess
+
+    import torch
+
+    bench = load_module("bench_trl_parity")
+    trl = {"optimizer": {"betas": "(0.9, 0.999)", "eps": "1e-08", "weight decay": "0.0"}}
+    table = {k: (ours, theirs) for k, ours, theirs in bench.optimizer_settings(trl)}
+    assert table["betas"] == ("(0.9, 0.95)", "(0.9, 0.999)") and table["eps"] == ("1e-08", "1e-08")
+    assert table["weight decay"] == ("0.0", "0.0") and table["optimizer"][0] == "torch AdamW"
+    assert table["gradient clipping (max norm)"][1] == "?"  # a setting TRL's file does not name
+
+    seen = {}
+    out = tmp_path / "trl"
+    out.mkdir()
+    torch.save({"loss": 0.0}, out / "grads.pt")
+    monkeypatch.setenv("PYTHONPATH", "/users/site")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd, env=kw["env"]))
+    assert bench.trl_side("peer-python", "model", "batch.pt", str(tmp_path)) == {"loss": 0.0}
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/users/site"]
+    assert seen["cmd"][:3] == ["peer-python", str(REPO / "bench" / "peers" / "trl_run.py"), "grpo_loss"]
