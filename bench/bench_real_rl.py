@@ -233,6 +233,14 @@ def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
 TRL_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
 
 
+def overlong_flags(opts) -> list:
+    """The length penalty's flags, the same on step 3's row and TRL's (none when it is off)."""
+    if not opts.overlong_penalty:
+        return []
+    return ["--overlong_penalty", str(opts.overlong_penalty),
+            "--overlong_penalty_weight", str(opts.overlong_penalty_weight)]
+
+
 def grpo_command(model: str, data: dict, out: str, opts) -> list:
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
@@ -245,7 +253,7 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
             "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
             "--adam_betas", *map(str, opts.adam_betas), *(["--torch_autocast"] if opts.autocast else []),
-            *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
+            *overlong_flags(opts)]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
@@ -259,7 +267,7 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             "--scale_rewards", TRL_SCALE_REWARDS[opts.estimator], "--dtype", opts.dtype,
             "--loss_type", "dapo",  # TRL's token mean over the batch: step 3's loss
             "--adam_betas", *map(str, opts.adam_betas),  # step 3's AdamW, not transformers' default (0.9, 0.999)
-            *(["--overlong_penalty", str(opts.overlong_penalty)] if opts.overlong_penalty else [])]
+            *overlong_flags(opts)]
 
 
 def ppo_commands(model: str, data: dict, out: str, opts) -> list:
@@ -416,6 +424,9 @@ def main(argv=None):
     parser.add_argument("--overlong_penalty", type=int, default=0, metavar="L",
                         help="DAPO's soft overlong penalty over the last L tokens before --answer_len, added to the "
                              "reward (step 3's --overlong_penalty; TRL's get_soft_overlong_punishment); 0: off")
+    parser.add_argument("--overlong_penalty_weight", type=float, default=1.0, metavar="W",
+                        help="the overlong penalty's weight: −W at --answer_len (step 3's --overlong_penalty_weight; "
+                             "TRL's reward_weights); DAPO's 1 by default")
     parser.add_argument("--adam_betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
                         help="AdamW's betas on every row (steps' --adam_betas; TRL's adam_beta1/2): DeepSpeed-Chat's "
                              "0.9 0.95 by default (TRL's own default is 0.9 0.999)")

@@ -76,6 +76,7 @@ class PPOConfig:
     generation_batches: int = 1
     mask_truncated_answers: bool = False  # answers without an end token (cut at --max_answer_seq_len): no loss
     overlong_penalty: int = 0  # DAPO's soft length penalty over the last this many tokens before the cap (0: off)
+    overlong_penalty_weight: float = 1.0  # its weight in the score: −weight at the cap (DAPO: 1)
     dynamic_sampling: bool = False  # DAPO: groups whose scores are all equal are dropped, the round refilled
     dynamic_sampling_max_batches: int | None = None  # the most generation batches one round may draw
     unsup_coef: float = 27.8
@@ -224,7 +225,7 @@ class Step3Config:
                         cliprange_high=args.cliprange_high, cliprange_value=args.cliprange_value, gamma=args.gamma,
                         lam=args.lam, ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
                         mask_truncated_answers=args.mask_truncated_answers, overlong_penalty=args.overlong_penalty,
-                        dynamic_sampling=args.dynamic_sampling,
+                        overlong_penalty_weight=args.overlong_penalty_weight, dynamic_sampling=args.dynamic_sampling,
                         dynamic_sampling_max_batches=args.dynamic_sampling_max_batches,
                         unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
         reward = RewardConfig(fn=args.reward_fn, fn_weight=args.reward_fn_weight)

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlong_penalty", type=int, default=ppo["overlong_penalty"], metavar="L",
                    help="DAPO's soft overlong penalty, added to the score: 0 up to --max_answer_seq_len − L tokens, "
                         "then falling linearly to −1 at --max_answer_seq_len (0 = off).")
+    g.add_argument("--overlong_penalty_weight", type=float, default=ppo["overlong_penalty_weight"], metavar="W",
+                   help="The overlong penalty's weight in the score: it falls to −W at --max_answer_seq_len "
+                        "(default: DAPO's 1; TRL's reward_weights for get_soft_overlong_punishment).")
     g.add_argument("--dynamic_sampling", action="store_true",
                    help="Drop the groups whose answers all score the same (no advantage to learn from) and refill the "
                         "round from further prompt batches, up to --dynamic_sampling_max_batches; counts logged. "
@@ -278,6 +281,12 @@ def validate_dapo(args) -> None:
     if not 0 <= args.overlong_penalty <= args.max_answer_seq_len:
         raise UserInputError(f"--overlong_penalty {args.overlong_penalty}: the penalised tokens must be between 0 "
                              f"(off) and --max_answer_seq_len {args.max_answer_seq_len}")
+    if not (math.isfinite(args.overlong_penalty_weight) and args.overlong_penalty_weight > 0):
+        raise UserInputError(f"--overlong_penalty_weight {args.overlong_penalty_weight}: the penalty's weight must be "
+                             "a positive number (--overlong_penalty 0 turns the penalty off)")
+    if args.overlong_penalty_weight != 1.0 and not args.overlong_penalty:
+        raise UserInputError(f"--overlong_penalty_weight {args.overlong_penalty_weight} weighs the overlong penalty: "
+                             "it needs --overlong_penalty L")
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
         raise UserInputError("--dynamic_sampling drops the groups whose answers all score the same: it needs "
                              f"--n_samples_per_prompt ≥ 2 (got {args.n_samples_per_prompt}), or every group is dropped")
@@ -486,7 +495,8 @@ def algorithm_line(ppo: PPOConfig) -> str:
     if ppo.mask_truncated_answers:
         parts.append("answers cut at the length cap masked out of the losses")
     if ppo.overlong_penalty:
-        parts.append(f"overlong penalty over the last {ppo.overlong_penalty} tokens")
+        weight = "" if ppo.overlong_penalty_weight == 1.0 else f", weight {ppo.overlong_penalty_weight:g}"
+        parts.append(f"overlong penalty over the last {ppo.overlong_penalty} tokens{weight}")
     if ppo.dynamic_sampling:
         parts.append(f"dynamic sampling (at most {ppo.dynamic_sampling_max_batches} generation batches a round)")
     return "; ".join(parts)

@@ -579,7 +579,7 @@ class DeepSpeedPPOTrainer:
         """``[B]`` float32 rewards: the reward model's end score, the reward function's score, or
         ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`); plus, with
         ``--overlong_penalty L``, DAPO's soft length penalty (:func:`utils.rl_math.overlong_penalty`) of the answer's
-        tokens, its end token included."""
+        tokens, its end token included, times ``--overlong_penalty_weight``."""
         from utils.reward_functions import call_reward_fn
 
         start = time.time()
@@ -595,7 +595,8 @@ class DeepSpeedPPOTrainer:
             total += weight * torch.tensor(scores, dtype=torch.float32, device=total.device)
         if self.ppo.overlong_penalty:
             lengths = rollout.attention_mask[:, rollout.prompt_length:].sum(dim=1)
-            total += overlong_penalty(lengths, self.max_answer_seq_len, self.ppo.overlong_penalty).to(total.device)
+            penalty = overlong_penalty(lengths, self.max_answer_seq_len, self.ppo.overlong_penalty)
+            total += self.ppo.overlong_penalty_weight * penalty.to(total.device)
         rollout.info["experience"] = rollout.info.get("experience", 0.0) + time.time() - start
         return total
 

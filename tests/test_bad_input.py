@@ -438,6 +438,22 @@ def test_step3_role_flags_are_checked_like_the_common_ones(flags, message):
         validate_step3(parse_args(base + flags))
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--overlong_penalty", "999"], "--overlong_penalty 999: the penalised tokens must be between 0"),
+    (["--overlong_penalty", "32", "--overlong_penalty_weight", "0"], "the penalty's weight must be a positive number"),
+    (["--overlong_penalty", "32", "--overlong_penalty_weight", "inf"], "the penalty's weight must be a positive"),
+    (["--overlong_penalty_weight", "0.5"], "--overlong_penalty_weight 0.5 weighs the overlong penalty: it needs "
+                                           "--overlong_penalty L"),
+])
+def test_dapo_flags_are_refused_in_one_line(flags, message):
+    from step3_rlhf_finetuning.main import parse_args, validate_dapo
+
+    base = ["--actor_model_name_or_path", "a", "--output_dir", "o", "--overlong_penalty", "32"]
+    validate_dapo(parse_args(base + ["--overlong_penalty_weight", "0.25"]))
+    with pytest.raises(UserInputError, match=message):
+        validate_dapo(parse_args(base[:-2] + flags))
+
+
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
 def test_a_seed_numpy_refuses_is_an_argparse_error_not_a_traceback(seed, capsys):
     """numpy raised "Seed must be between 0 and 2**32 - 1" from inside set_random_seed, after set-up."""

@@ -204,11 +204,13 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
                      reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
-                     dtype=dtype, autocast=autocast, overlong_penalty=overlong, adam_betas=[0.9, 0.999])
+                     dtype=dtype, autocast=autocast, overlong_penalty=overlong, overlong_penalty_weight=0.25,
+                     adam_betas=[0.9, 0.999])
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
     assert (args.dtype, args.torch_autocast, args.overlong_penalty) == (dtype, autocast, overlong)
+    assert args.overlong_penalty_weight == (0.25 if overlong else 1.0)  # the weight travels with the penalty only
     assert args.adam_betas == [0.9, 0.999]
     validate_step3(args)
     assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
@@ -233,7 +235,8 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     peer = load_module("peers/trl_run")
     peer_args = peer.parse_args(trl[1:])  # TRL's runner takes every flag the bench passes
     assert peer_args.lr_scheduler == "cosine" and peer_args.dtype == dtype
-    assert peer_args.overlong_penalty == overlong  # the same length penalty on both rows
+    assert peer_args.overlong_penalty == overlong  # the same length penalty on both rows, with the same weight
+    assert peer_args.overlong_penalty_weight == (0.25 if overlong else 1.0)
     assert peer.common_args(peer_args)["bf16"] == (dtype == "bf16")  # TRL trains in the same precision
     assert (peer.common_args(peer_args)["adam_beta1"], peer.common_args(peer_args)["adam_beta2"]) == (0.9, 0.999)
     assert peer.parse_args(["grpo", "--model", "m", "--data", "d", "--out", "o"]).adam_betas == [0.9, 0.95]  # ours

@@ -394,6 +394,10 @@ def test_overlong_penalty_is_added_to_the_score():
     trainer, _ = make_trainer(answers, scores=[1.0, 1.0, 1.0], ppo=PPOConfig(overlong_penalty=2))
     rollout = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
     assert_close(trainer.score(rollout), torch.tensor([1.0, 0.5, 0.0]))
+    # --overlong_penalty_weight 0.25: the same penalty a quarter as large (−0.25 at the cap)
+    trainer, _ = make_trainer(answers, scores=[1.0, 1.0, 1.0],
+                              ppo=PPOConfig(overlong_penalty=2, overlong_penalty_weight=0.25))
+    assert_close(trainer.score(trainer.generate(PROMPTS, PROMPT_MASK, step=1)), torch.tensor([1.0, 0.875, 0.75]))
 
 
 def test_each_policy_loss_trains_through_the_trainer_and_the_normaliser_is_the_callers():

@@ -226,7 +226,7 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_pa
         "ppo": ["--advantage_estimator", "grpo", "--n_samples_per_prompt", 2, "--reward_fn",
                 f"{tmp_path / 'parity.py'}:score", "--cliprange_high", 0.28, "--loss_agg", "token_mean",
                 "--dynamic_sampling", "--dynamic_sampling_max_batches", 3, "--mask_truncated_answers",
-                "--overlong_penalty", 4, "--per_device_training_batch_size", 3],
+                "--overlong_penalty", 4, "--overlong_penalty_weight", 0.5, "--per_device_training_batch_size", 3],
         "gspo": ["--advantage_estimator", "rloo", "--n_samples_per_prompt", 2, "--reward_fn", "builtin_rule",
                  "--per_device_training_batch_size", 8],
         "cispo": ["--critic_model_name_or_path", untrained_reward_model, "--critic_learning_rate", 1e-3,
@@ -235,7 +235,7 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_pa
     proc = _ok(run_entry(STEP3, *common, *flags, env=OMP))
     log = proc.stdout + proc.stderr
     expected = {"ppo": "policy loss: ppo (clip 1 − 0.2 … 1 + 0.28); loss aggregation: token_mean; answers cut at the "
-                       "length cap masked out of the losses; overlong penalty over the last 4 tokens; dynamic sampling "
+                       "length cap masked out of the losses; overlong penalty over the last 4 tokens, weight 0.5; dynamic sampling "
                        "(at most 3 generation batches a round)",
                 "gspo": "policy loss: gspo (clip 1 − 0.0003 … 1 + 0.0004); loss aggregation: seq_mean_token_mean",
                 "cispo": "policy loss: cispo (clip 1 − 1 … 1 + 4); loss aggregation: token_mean"}[policy_loss]

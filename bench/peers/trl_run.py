@@ -103,15 +103,16 @@ def run_grpo(args, log: StepLog):
 
     data, reward = grpo_task(args)
 
-    config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
-                        max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
-                        beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2,
-                        num_iterations=1)
-    rewards = [reward]
-    if args.overlong_penalty:  # DAPO's soft overlong punishment, summed with the task's reward as step 3 adds it
+    rewards, weights = [reward], [1.0]
+    if args.overlong_penalty:  # DAPO's soft overlong punishment, weighted and summed with the task's reward as step 3
         from trl.rewards import get_soft_overlong_punishment
 
         rewards.append(get_soft_overlong_punishment(args.answer_len, args.overlong_penalty))
+        weights.append(args.overlong_penalty_weight)
+    config = GRPOConfig(**common_args(args), per_device_train_batch_size=args.batch, num_generations=args.group,
+                        max_completion_length=args.answer_len, temperature=args.temperature, top_p=1.0, top_k=0,
+                        beta=args.beta, loss_type=args.loss_type, scale_rewards=args.scale_rewards, epsilon=0.2,
+                        num_iterations=1, reward_weights=weights)
     trainer = GRPOTrainer(model=args.model, reward_funcs=rewards, args=config, train_dataset=data)
     trainer.add_callback(log.callback)
     if args.save and args.save_at:
@@ -273,6 +274,8 @@ def parse_args(argv=None):
                         help="grpo: TRL's scale_rewards (group: GRPO's division by the group's std; none: Dr. GRPO's)")
     parser.add_argument("--overlong_penalty", type=int, default=0, metavar="L",
                         help="grpo: add DAPO's soft overlong punishment over the last L tokens (0: off)")
+    parser.add_argument("--overlong_penalty_weight", type=float, default=1.0, metavar="W",
+                        help="grpo: the overlong punishment's weight in TRL's reward_weights (the task's reward: 1)")
     parser.add_argument("--save", default=None, help="grpo: save the trained model to this folder")
     parser.add_argument("--save_at", default="", help="grpo: also save after these steps (\"11\"), to SAVE-step-N")
     return parser.parse_args(argv)
