@@ -281,9 +281,6 @@ def validate_dapo(args) -> None:
     if not 0 <= args.overlong_penalty <= args.max_answer_seq_len:
         raise UserInputError(f"--overlong_penalty {args.overlong_penalty}: the penalised tokens must be between 0 "
                              f"(off) and --max_answer_seq_len {args.max_answer_seq_len}")
-    if not (math.isfinite(args.overlong_penalty_weight) and args.overlong_penalty_weight > 0):
-        raise UserInputError(f"--overlong_penalty_weight {args.overlong_penalty_weight}: the penalty's weight must be "
-                             "a positive number (--overlong_penalty 0 turns the penalty off)")
     if args.overlong_penalty_weight != 1.0 and not args.overlong_penalty:
         raise UserInputError(f"--overlong_penalty_weight {args.overlong_penalty_weight} weighs the overlong penalty: "
                              "it needs --overlong_penalty L")

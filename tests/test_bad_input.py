@@ -440,18 +440,25 @@ def test_step3_role_flags_are_checked_like_the_common_ones(flags, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--overlong_penalty", "999"], "--overlong_penalty 999: the penalised tokens must be between 0"),
-    (["--overlong_penalty", "32", "--overlong_penalty_weight", "0"], "the penalty's weight must be a positive number"),
-    (["--overlong_penalty", "32", "--overlong_penalty_weight", "inf"], "the penalty's weight must be a positive"),
+    (["--overlong_penalty", "32", "--overlong_penalty_weight", "0"], "--overlong_penalty_weight must be a finite "
+                                                                      r"number > 0 \(--overlong_penalty 0 turns"),
+    (["--overlong_penalty", "32", "--overlong_penalty_weight", "inf"], "--overlong_penalty_weight must be a finite "
+                                                                        "number > 0"),
     (["--overlong_penalty_weight", "0.5"], "--overlong_penalty_weight 0.5 weighs the overlong penalty: it needs "
                                            "--overlong_penalty L"),
 ])
 def test_dapo_flags_are_refused_in_one_line(flags, message):
-    from step3_rlhf_finetuning.main import parse_args, validate_dapo
+    """The weight's range is NUMBER_RANGES' (validate_step3); what it needs and the buffer's range, validate_dapo's."""
+    from step3_rlhf_finetuning.main import parse_args, validate_dapo, validate_step3
 
-    base = ["--actor_model_name_or_path", "a", "--output_dir", "o", "--overlong_penalty", "32"]
-    validate_dapo(parse_args(base + ["--overlong_penalty_weight", "0.25"]))
+    def validate(args):
+        validate_step3(args)
+        validate_dapo(args)
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+    validate(parse_args(base + ["--overlong_penalty", "32", "--overlong_penalty_weight", "0.25"]))
     with pytest.raises(UserInputError, match=message):
-        validate_dapo(parse_args(base[:-2] + flags))
+        validate(parse_args(base + flags))
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])

@@ -235,8 +235,8 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_pa
     proc = _ok(run_entry(STEP3, *common, *flags, env=OMP))
     log = proc.stdout + proc.stderr
     expected = {"ppo": "policy loss: ppo (clip 1 − 0.2 … 1 + 0.28); loss aggregation: token_mean; answers cut at the "
-                       "length cap masked out of the losses; overlong penalty over the last 4 tokens, weight 0.5; dynamic sampling "
-                       "(at most 3 generation batches a round)",
+                       "length cap masked out of the losses; overlong penalty over the last 4 tokens, weight 0.5; "
+                       "dynamic sampling (at most 3 generation batches a round)",
                 "gspo": "policy loss: gspo (clip 1 − 0.0003 … 1 + 0.0004); loss aggregation: seq_mean_token_mean",
                 "cispo": "policy loss: cispo (clip 1 − 1 … 1 + 4); loss aggregation: token_mean"}[policy_loss]
     assert expected in log

@@ -337,6 +337,8 @@ NUMBER_RANGES = (
                                                             "make every reward 0)"),
     ("tp_gather_partition_size", lambda v: v >= 1, "≥ 1"),
     ("beta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    ("overlong_penalty_weight", lambda v: _finite(v) and v > 0, "a finite number > 0 (--overlong_penalty 0 turns the "
+                                                                  "penalty off)"),
     ("label_smoothing", lambda v: 0 <= v < 0.5, "in [0, 0.5) (conservative DPO: 0.5 would make the loss constant)"),
     ("preprocessing_num_workers", lambda v: v >= 1, "≥ 1"),
 )
