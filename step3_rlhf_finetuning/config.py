@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # this module stays free of torch: train.py reads the RL rule
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How the actor answers (``--max_*_seq_len``, sampling, ``--generation_backend``)."""
+    """How the actor answers (``--max_*_seq_len``, sampling, ``--generation_backend``, ``--generation_dtype``)."""
     max_prompt_seq_len: int = 256
     max_answer_seq_len: int = 256
     do_sample: bool = False
@@ -28,6 +28,7 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     backend: str = "auto"
+    dtype: str | None = None  # --generation_dtype: generate from a copy of the actor in this dtype (None: the actor)
     eot_token: str | None = None  # the answer-ending token besides the EOS: the chat template's end of turn
     # (--apply_chat_template) or the --eot_token that --add_eot_token added; else None
     print_answers: bool = False
@@ -253,7 +254,7 @@ class Step3Config:
         generation = GenerationConfig(max_prompt_seq_len=args.max_prompt_seq_len,
                                       max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
                                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      backend=args.generation_backend,
+                                      backend=args.generation_backend, dtype=args.generation_dtype,
                                       eot_token=eot_token,
                                       print_answers=args.print_answers,
                                       print_answers_interval=args.print_answers_interval)

@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
                         "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, hf on "
                         "CPU. Falls back to hf, saying why, for ZeRO-3 and unchecked architectures.")
+    g.add_argument("--generation_dtype", default=gen["dtype"], choices=["bf16"],
+                   help="Generate from a bf16 copy of the actor, refreshed from its weights before each generation "
+                        "(default: the actor itself). With --torch_autocast the actor's weights are fp32 and "
+                        "generation runs the norms and the KV cache in fp32; the copy is faster. The training pass "
+                        "and its log-probs stay on the actor. Not with ZeRO-3 or the hybrid engine.")
     g.add_argument("--print_answers", action="store_true", help="Print prompts and answers during training.")
     g.add_argument("--print_answers_interval", type=int, default=gen["print_answers_interval"],
                    help="... every this many generation batches.")
@@ -321,6 +326,8 @@ def validate_step3(args) -> None:
                              "unsupported (training instability, as in DeepSpeed-Chat); use LoRA or another stage")
     if args.enable_mixed_precision_lora and (args.actor_lora_dim <= 0 or args.actor_zero_stage != 3):
         raise UserInputError("--enable_mixed_precision_lora needs --actor_lora_dim > 0 and --actor_zero_stage 3")
+    if args.generation_dtype:
+        validate_generation_dtype(args)
     if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
         raise UserInputError("--only_optimize_lora needs --actor_lora_dim > 0 or --critic_lora_dim > 0")
     if args.unsupervised_dataset_config_name and not args.unsupervised_dataset_name:
@@ -337,6 +344,19 @@ def validate_step3(args) -> None:
         if getattr(args, name) > 1:
             raise UserInputError(f"--{name} must be between 0 and 1, got {getattr(args, name)}")
     validate_rl(args)
+
+
+def validate_generation_dtype(args) -> None:
+    """``--generation_dtype``: a copy of the actor's whole weights, in a dtype the actor does not already have."""
+    flag = f"--generation_dtype {args.generation_dtype}"
+    if args.actor_zero_stage == 3:
+        raise UserInputError(f"{flag} copies the actor's whole weights: ZeRO-3 partitions them; use "
+                             "--actor_zero_stage 0, 1 or 2, or leave the flag out")
+    if args.enable_hybrid_engine:
+        raise UserInputError(f"{flag} and --enable_hybrid_engine both choose how the actor generates; give one")
+    if args.dtype == args.generation_dtype and not args.torch_autocast:
+        raise UserInputError(f"{flag} with --dtype {args.dtype}: the actor's weights are {args.dtype} already "
+                             "(the copy pays with fp32 weights: --torch_autocast, or --dtype fp32)")
 
 
 # flags that act only together with another: (the flags, what they need, whether the run has it)
@@ -471,9 +491,11 @@ def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
     return metrics
 
 
-def throughput_constants(config, engine) -> dict:
-    """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference) and model sizes."""
-    constants = {"bytes_per_param": 4 if config.dtype == "fp32" or config.autocast else 2}
+def throughput_constants(config, engine, generation_dtype: str | None = None) -> dict:
+    """FLOP factors (4 with activation checkpointing, reduced by LoRA as in the reference), model sizes, and the
+    bytes a generated token reads per actor weight (2 from a ``--generation_dtype bf16`` copy)."""
+    fp32_weights = (config.dtype == "fp32" or config.autocast) and generation_dtype is None
+    constants = {"bytes_per_param": 4 if fp32_weights else 2}
     for name, role, model in (("actor", config.actor, engine.actor.module),
                               ("critic", config.critic, engine.critic.module if engine.critic else None)):
         if model is None:
@@ -658,7 +680,7 @@ def run(args, folder):
     trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn, on_policy)
     ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
     context = {"args": args, "engine": engine, "rl_steps": rl_steps,
-               "perf_constants": throughput_constants(config.engine, engine)}
+               "perf_constants": throughput_constants(config.engine, engine, config.generation.dtype)}
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint); the reference model is never
     # trained, so it is rebuilt from the step-1 folder instead of being saved

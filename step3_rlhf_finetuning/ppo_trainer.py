@@ -410,6 +410,7 @@ class DeepSpeedPPOTrainer:
         self.actor_zero_stage = self.actor_model.zero_optimization_stage()
         self.z3_enabled = self.actor_zero_stage == 3
         self.hybrid_engine = getattr(rlhf_engine, "hybrid_engine_active", False)
+        self.generation_copy = self._make_generation_copy(generation.dtype)
         self.generator = self._make_generator(generation.backend)
         # log-probs are those of the distribution answers are sampled from (logits / temperature; as TRL)
         self.temperature = generation.logprob_temperature
@@ -422,6 +423,26 @@ class DeepSpeedPPOTrainer:
 
     # ------------------------------------------------------------------ generate
 
+    def _make_generation_copy(self, dtype: str | None):
+        """``--generation_dtype``: the :class:`utils.generation.GenerationCopy` of the actor answers come from, or
+        None (the actor itself)."""
+        from utils.generation import GenerationCopy
+
+        if dtype is None:
+            return None
+        if self.z3_enabled or self.hybrid_engine:  # main refuses both; a direct caller gets the same rule
+            raise ValueError("--generation_dtype copies the actor's whole weights: not with ZeRO-3 or the hybrid "
+                             "engine")
+        torch_dtype = {"bf16": torch.bfloat16}[dtype]
+        copy = GenerationCopy(self.actor_model.module, torch_dtype)
+        self.log(f"generation: from a {dtype} copy of the actor, refreshed before each generation")
+        return copy
+
+    @property
+    def generation_module(self):
+        """The module answers are generated with: the ``--generation_dtype`` copy, or the actor's module."""
+        return self.generation_copy.module if self.generation_copy is not None else self.actor_model.module
+
     def _make_generator(self, requested: str):
         """The actor's generation path, chosen once (and said once): DeepSpeed's hybrid engine when it is
         active, else :func:`utils.generation.choose_backend` — a :class:`StaticGenerator` or None (plain
@@ -432,12 +453,12 @@ class DeepSpeedPPOTrainer:
             self.generation_backend = "hybrid-engine"
             self.log("generation: DeepSpeed hybrid engine")
             return None
-        backend, why = choose_backend(requested, self.actor_model.module, self.actor_zero_stage)
+        backend, why = choose_backend(requested, self.generation_module, self.actor_zero_stage)
         self.generation_backend = backend
         self.log(f"generation: {backend} backend" + (f" ({why})" if why else ""))
         if backend == "hf":
             return None
-        return StaticGenerator(self.actor_model.module, self.generation.max_prompt_seq_len, self.max_answer_seq_len,
+        return StaticGenerator(self.generation_module, self.generation.max_prompt_seq_len, self.max_answer_seq_len,
                                self.end_token_ids, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
@@ -447,7 +468,7 @@ class DeepSpeedPPOTrainer:
         hybrid engine, a model without the cache API)."""
         from utils.model.lean_forward import cache_parameter, output_cache, shared_group_size
 
-        module = self.actor_model.module
+        module = self.generation_module
         if (group <= 1 or self.z3_enabled or self.hybrid_engine or prompts.shape[1] < 2
                 or not can_share_prompt(module) or shared_group_size(prompts, mask, group) != group):
             return None
@@ -467,9 +488,13 @@ class DeepSpeedPPOTrainer:
         from utils.model.lean_forward import cache_parameter
 
         gen = self.generation
+        if self.generation_copy is not None:
+            self.generation_copy.refresh()  # the actor's weights after its last step, in the copy's dtype
         # --torch_autocast: DeepSpeed autocasts an engine's own forward; generation and forward_value call the module
-        # directly, so they run under the engine's autocast here (never a backward)
-        with torch.no_grad(), autocast_if_enabled(self.actor_model):
+        # directly, so they run under the engine's autocast here (never a backward). A --generation_dtype copy
+        # runs in its own dtype.
+        precision = autocast_if_enabled(self.actor_model) if self.generation_copy is None else contextlib.nullcontext()
+        with torch.no_grad(), precision:
             if self.generator is not None:
                 seq = self.generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
                                               top_k=gen.top_k, top_p=gen.top_p)
@@ -481,9 +506,9 @@ class DeepSpeedPPOTrainer:
                               **generate_kwargs(gen.do_sample, gen.temperature, gen.top_k, gen.top_p))
                 cache = self._prefilled_cache(prompts, mask, group)
                 if cache is not None:
-                    kwargs[cache_parameter(self.actor_model.module)] = cache
+                    kwargs[cache_parameter(self.generation_module)] = cache
                 # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
-                seq = self.actor_model.module.generate(prompts, **kwargs)
+                seq = self.generation_module.generate(prompts, **kwargs)
         seq = seq[:, :prompts.shape[1] + self.max_answer_seq_len]
         answers = seq[:, prompts.shape[1]:]
         generated = answers.shape[1]

@@ -461,6 +461,23 @@ def test_dapo_flags_are_refused_in_one_line(flags, message):
         validate(parse_args(base + flags))
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--actor_zero_stage", "3"], r"--generation_dtype bf16 copies the actor's whole weights: ZeRO-3 partitions them"),
+    (["--enable_hybrid_engine"], "--generation_dtype bf16 and --enable_hybrid_engine both choose how the actor "
+                                 "generates; give one"),
+    (["--dtype", "bf16"], r"--generation_dtype bf16 with --dtype bf16: the actor's weights are bf16 already"),
+])
+def test_a_generation_copy_is_refused_where_it_cannot_copy_or_gains_nothing(flags, message):
+    from step3_rlhf_finetuning.main import parse_args, validate_step3
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+            "--generation_dtype", "bf16"]
+    for accepted in ([], ["--dtype", "bf16", "--torch_autocast"], ["--dtype", "fp32"], ["--actor_zero_stage", "2"]):
+        validate_step3(parse_args(base + accepted))
+    with pytest.raises(UserInputError, match=message):
+        validate_step3(parse_args(base + flags))
+
+
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32)])
 def test_a_seed_numpy_refuses_is_an_argparse_error_not_a_traceback(seed, capsys):
     """numpy raised "Seed must be between 0 and 2**32 - 1" from inside set_random_seed, after set-up."""

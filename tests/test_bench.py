@@ -196,20 +196,21 @@ def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatc
     assert log.read_text().split() == [os.pathsep.join([str(REPO), str(tmp_path / "site")])]
 
 
-@pytest.mark.parametrize("estimator,scale_rewards,dtype,autocast,overlong", [("grpo", "group", "fp32", False, 0),
-                                                                            ("dr_grpo", "none", "bf16", False, 0),
-                                                                            ("grpo", "group", "bf16", True, 32)])
+@pytest.mark.parametrize("estimator,scale_rewards,dtype,autocast,overlong,gen_dtype", [
+    ("grpo", "group", "fp32", False, 0, None), ("dr_grpo", "none", "bf16", False, 0, None),
+    ("grpo", "group", "bf16", True, 32, "bf16")])
 def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewards, dtype, autocast, overlong,
-                                                          tmp_path):
+                                                          gen_dtype, tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
                      reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
                      dtype=dtype, autocast=autocast, overlong_penalty=overlong, overlong_penalty_weight=0.25,
-                     adam_betas=[0.9, 0.999])
+                     adam_betas=[0.9, 0.999], generation_dtype=gen_dtype)
     data = {"train": "train.jsonl"}
     grpo = bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
     args = importlib.import_module(MAINS["3"]).parse_args(grpo[1:])
     assert (args.dtype, args.torch_autocast, args.overlong_penalty) == (dtype, autocast, overlong)
+    assert args.generation_dtype == gen_dtype
     assert args.overlong_penalty_weight == (0.25 if overlong else 1.0)  # the weight travels with the penalty only
     assert args.adam_betas == [0.9, 0.999]
     validate_step3(args)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils.generation import (StaticGenerator, choose_backend, generate_kwargs, lora_fused, sample_categorical,
-                              uncached_autocast)
+from utils.generation import (GenerationCopy, StaticGenerator, choose_backend, generate_kwargs, lora_fused,
+                              sample_categorical, uncached_autocast)
 from utils.model.model_utils import load_hf_tokenizer
 from utils.model.tiny import resolve_model_path
 from utils.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
@@ -173,6 +173,42 @@ def test_lora_fuse_restores_the_base_weights_bit_for_bit_in_bf16():
     assert all(torch.equal(m.weight, b) for m, b in zip(layers, before))  # fuse -> unfuse would drift in bf16
     assert [m.weight.data_ptr() for m in layers] == pointers  # in place: a captured CUDA graph stays valid
     assert not any(m.fuse_lora for m in layers)
+
+
+def test_generation_copy_casts_the_weights_keeps_buffers_and_ties_and_follows_in_place_updates():
+    """--generation_dtype bf16: the copy's parameters are the actor's cast to bf16 (after an optimizer-like in-place
+    update too, once refreshed, in the same storage), its buffers (the rotary table) are untouched, a tied embedding
+    stays one tensor, a hook on the actor (a training engine's) is not copied, and the actor is left as it was."""
+    model, tokenizer = _model("tiny-llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    engine_calls = []  # DeepSpeed's engine hooks its forward timers onto the model it wraps
+    model.register_forward_pre_hook(lambda module, args: engine_calls.append(module))
+    copy = GenerationCopy(model, torch.bfloat16)
+    named = dict(copy.module.named_parameters())
+    assert named and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in named.values())
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in model.parameters())
+    assert copy.module.lm_head.weight is copy.module.model.embed_tokens.weight
+    for (name, buffer), (_, original) in zip(copy.module.named_buffers(), model.named_buffers(), strict=True):
+        assert buffer.dtype == original.dtype and torch.equal(buffer, original), name
+    storage = {name: p.data_ptr() for name, p in named.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    copy.refresh()
+    for (name, p), original in zip(copy.module.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, original.to(torch.bfloat16)), name
+        assert p.data_ptr() == storage[name], name  # in place: a graph captured on the copy stays valid
+    ids, mask = _prompts(tokenizer.pad_token_id)
+    with torch.no_grad():
+        fp32_logits = model(ids, attention_mask=mask).logits
+        for p in model.parameters():  # the actor's own parameters cast to bf16, its buffers kept: the copy's logits
+            p.data = p.data.to(torch.bfloat16)
+        engine_calls.clear()
+        logits = copy.module(ids, attention_mask=mask).logits
+        assert engine_calls == []  # the copy's forward does not call into the engine
+        assert torch.equal(logits, model(ids, attention_mask=mask).logits) and engine_calls == [model]
+    assert logits.dtype == torch.bfloat16 and not torch.equal(logits.float(), fp32_logits)  # bf16 is not fp32
 
 
 def test_choose_backend():

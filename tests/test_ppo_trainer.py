@@ -216,6 +216,30 @@ def test_torch_autocast_covers_the_forwards_that_bypass_the_engine_and_no_backwa
                     "backward": [None]}
 
 
+def test_generation_dtype_generates_from_a_bf16_copy_refreshed_after_each_step():
+    """--generation_dtype bf16 under --torch_autocast: answers come from the copy, in bf16 and outside autocast, with
+    the actor's weights as they are after its last step; the actor's own module generates nothing."""
+    trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[1.0, -1.0, 1.0], autocast=torch.bfloat16,
+                                   dtype="bf16")
+    copy = trainer.generation_copy.module
+    seen = []
+
+    def record(module):
+        def generate(prompts, **kwargs):
+            seen.append((module.head.weight.dtype, torch.is_autocast_enabled("cpu"), module.head.weight.clone()))
+            return torch.cat([prompts, module.answers], dim=1)
+        return generate
+
+    copy.generate = record(copy)
+    engine.actor.module.generate = lambda *a, **k: pytest.fail("the actor's own module generated")
+    trainer.train_step(make_rollout(trainer))
+    updated = engine.actor.module.head.weight.detach().clone()
+    make_rollout(trainer)
+    assert [(dtype, autocast) for dtype, autocast, _ in seen] == [(torch.bfloat16, False)] * 2
+    assert not torch.equal(seen[0][2], seen[1][2])  # the step moved the weights the second generation used
+    assert torch.equal(seen[1][2], updated.to(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -684,7 +708,8 @@ def test_each_default_lives_in_the_config_dataclasses():
     from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig, field_defaults
 
     args = parse_args(BASE)
-    flag_of = {"backend": "generation_backend", "fn": "reward_fn", "fn_weight": "reward_fn_weight"}
+    flag_of = {"backend": "generation_backend", "dtype": "generation_dtype", "fn": "reward_fn",
+               "fn_weight": "reward_fn_weight"}
     skipped = {"eot_token", "ema_beta", "align_overflow", "do_sample", "print_answers"}  # derived or switch flags
     checked = 0
     for cls in (PPOConfig, GenerationConfig, RewardConfig):

@@ -170,14 +170,15 @@ def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
 def test_torch_autocast_trains_fp32_weights_with_bf16_forwards(untrained_reward_model, tmp_path):
     """PPO with --dtype bf16 --torch_autocast: every model of step 3 (actor, reference, critic, reward) runs, and the
     actor's weights stay fp32: updates far below bf16's resolution move them (bf16 weights would round such an update
-    away in the weights the model runs with, and save only bf16 values)."""
+    away in the weights the model runs with, and save only bf16 values). Answers come from a --generation_dtype bf16
+    copy of the actor, which changes none of that."""
     from utils.model.model_utils import resolve_model_name_or_path
 
     out = tmp_path / "out"
-    _ok(run_entry(
+    proc = _ok(run_entry(
         STEP3, *DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", "tiny-opt",
         "--critic_model_name_or_path", untrained_reward_model, "--output_dir", out, "--dtype", "bf16",
-        "--torch_autocast", "--max_prompt_seq_len", 16, "--max_answer_seq_len", 8,
+        "--torch_autocast", "--generation_dtype", "bf16", "--max_prompt_seq_len", 16, "--max_answer_seq_len", 8,
         "--per_device_generation_batch_size", 4, "--per_device_training_batch_size", 4, "--max_steps", 2,
         "--do_sample", "--actor_learning_rate", 1e-6, "--critic_learning_rate", 1e-6, "--num_warmup_steps", 0,
         env=OMP))
@@ -190,6 +191,7 @@ def test_torch_autocast_trains_fp32_weights_with_bf16_forwards(untrained_reward_
         resolution = before[name].abs() * 2.0 ** -9  # half a bf16 ulp of the weight
         moved += int(((step > 0) & (step < resolution)).sum())
     assert moved > 1000  # kept fp32 updates smaller than a bf16 weight can hold
+    assert "generation: from a bf16 copy of the actor, refreshed before each generation" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
     assert [r["step"] for r in train] == [1, 2]

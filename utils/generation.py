@@ -108,6 +108,41 @@ def uncached_autocast(device_type: str):
                           enabled=torch.is_autocast_enabled(device_type), cache_enabled=False)
 
 
+class GenerationCopy:
+    """A copy of ``model`` for generation whose parameters are ``dtype`` (``--generation_dtype bf16``).
+
+    Under ``--torch_autocast`` the actor keeps fp32 weights and autocast casts each matmul's weight to bf16; in
+    generation that also keeps the norms, the residual stream and (through the fp32 rotary tables) the keys of the
+    KV cache in fp32, cast again for attention at every token. Generating from a bf16 copy removes those costs;
+    the training pass still runs on the fp32 weights, and its log-probs are the ones the loss uses.
+
+    Buffers (a rotary ``inv_freq``) stay as they are; parameters shared in ``model`` (tied embeddings) stay shared
+    in the copy; the forward hooks on ``model`` itself (a training engine's) are not copied. :meth:`refresh` copies
+    the model's current weights in place (no new storage: a CUDA graph captured on the copy stays valid); the
+    trainer calls it before every generation. ``model``'s parameters must be whole (not ZeRO-3 partitions)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        import copy
+
+        self.dtype = dtype
+        # deepcopy's memo: each parameter is "already copied" as a frozen cast of itself (tied ones once)
+        memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
+        self.module = copy.deepcopy(model, memo).eval()
+        # a training engine's forward hooks on the model it wraps (DeepSpeed's timers, its input casts) are the
+        # engine's business, not the copy's
+        for hooks in (self.module._forward_pre_hooks, self.module._forward_pre_hooks_with_kwargs,
+                      self.module._forward_hooks, self.module._forward_hooks_with_kwargs,
+                      self.module._forward_hooks_always_called):
+            hooks.clear()
+        self._pairs = list(zip(self.module.parameters(), model.parameters(), strict=True))
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The copy's weights ← the model's current weights, cast to ``dtype``."""
+        for copied, param in self._pairs:
+            copied.copy_(param)
+
+
 def sampling_warpers(temperature: float | None, top_k: int | None, top_p: float | None):
     """Hugging Face's temperature / top-k / top-p warpers for the settings that change anything."""
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
