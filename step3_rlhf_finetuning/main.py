@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Generate from a bf16 copy of the actor, refreshed from its weights before each generation "
                         "(default: the actor itself). With --torch_autocast the actor's weights are fp32 and "
                         "generation runs the norms and the KV cache in fp32; the copy is faster. The training pass "
-                        "and its log-probs stay on the actor. Costs 2 bytes of memory a parameter. Not with ZeRO-3 or the "
-                        "hybrid engine.")
+                        "and its log-probs stay on the actor. Costs 2 bytes of memory a parameter. Not with ZeRO-3 "
+                        "or the hybrid engine.")
     g.add_argument("--print_answers", action="store_true", help="Print prompts and answers during training.")
     g.add_argument("--print_answers_interval", type=int, default=gen["print_answers_interval"],
                    help="... every this many generation batches.")

@@ -427,14 +427,14 @@ class DeepSpeedPPOTrainer:
         """``--generation_dtype``: the :class:`utils.generation.GenerationCopy` of the actor answers come from, or
         None (the actor itself)."""
         from utils.generation import GenerationCopy
+        from utils.runtime import torch_dtype
 
         if dtype is None:
             return None
         if self.z3_enabled or self.hybrid_engine:  # main refuses both; a direct caller gets the same rule
             raise ValueError("--generation_dtype copies the actor's whole weights: not with ZeRO-3 or the hybrid "
                              "engine")
-        torch_dtype = {"bf16": torch.bfloat16}[dtype]
-        copy = GenerationCopy(self.actor_model.module, torch_dtype)
+        copy = GenerationCopy(self.actor_model.module, torch_dtype(dtype))
         self.log(f"generation: from a {dtype} copy of the actor, refreshed before each generation")
         return copy
 

@@ -124,7 +124,6 @@ class GenerationCopy:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         import copy
 
-        self.dtype = dtype
         # deepcopy's memo: each parameter is "already copied" as a frozen cast of itself (tied ones once)
         memo = {id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in model.parameters()}
         self.module = copy.deepcopy(model, memo).eval()
