@@ -30,9 +30,10 @@ and guards, not GSM8K), for the plot. Results: ``WORK/results.json``, ``WORK/rea
 ``--seed``, ``--temperature``, ``--schedule``, ``--warmup``, ``--estimator`` (``grpo`` or ``dr_grpo``: TRL's
 ``scale_rewards`` group or none) and ``--dtype`` (``bf16``: step 3's bf16 weights with fp32 master weights, or
 with ``--autocast`` fp32 weights under bf16 autocast (``--torch_autocast``); TRL's bf16 autocast; 1.6× step 3's
-steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way)
-change the GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs
-spread over 10 to 20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
+steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either way) and ``--train_weights``
+(the data builder's: some types drawn more often in the training rows, the held-out rows unchanged) change the
+GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs spread over 10 to
+20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
 print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and the evaluation run on
 the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is not beside the
 checkout.
@@ -203,12 +204,23 @@ def read_jsonl(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def build_data(work: str) -> dict:
-    out = os.path.join(work, "ifeval")
+def data_folder(work: str, train_weights: str | None = None) -> str:
+    """Where the data go: ``WORK/ifeval``, or with ``--train_weights`` a folder named by their hash (the held-out
+    files are the same in both; the training file differs)."""
+    if not train_weights:
+        return os.path.join(work, "ifeval")
+    from utils.files import content_hash
+
+    return os.path.join(work, "ifeval-" + content_hash(train_weights.encode(), digits=8))
+
+
+def build_data(work: str, train_weights: str | None = None) -> dict:
+    out = data_folder(work, train_weights)
     if not os.path.exists(os.path.join(out, "heldout.jsonl")):
         subprocess.run([sys.executable, "-m", "utils.data.ifeval_data", "--alpaca",
                         os.path.join(SHARED, "llama-factory-demo", "alpaca_en_demo.json"), "--out", out, "--seed",
-                        "1234", "--heldout", "220", "--types", ",".join(TYPES)], cwd=REPO, check=True)
+                        "1234", "--heldout", "220", "--types", ",".join(TYPES),
+                        *(["--train_weights", train_weights] if train_weights else [])], cwd=REPO, check=True)
     with open(os.path.join(SHARED, "gsm8k", "test.jsonl")) as f:
         gsm8k = [json.loads(line) for _, line in zip(range(200), f)]
     return {"dir": out, "train": os.path.join(out, "train.jsonl"),
@@ -434,6 +446,9 @@ def main(argv=None):
     parser.add_argument("--adam_betas", type=float, nargs=2, default=[0.9, 0.95], metavar=("BETA1", "BETA2"),
                         help="AdamW's betas on every row (steps' --adam_betas; TRL's adam_beta1/2): DeepSpeed-Chat's "
                              "0.9 0.95 by default (TRL's own default is 0.9 0.999)")
+    parser.add_argument("--train_weights", default=None, metavar="TYPE=W,...",
+                        help="the data builder's --train_weights: these types W times as often in the training rows "
+                             "(GRPO and TRL rows alike); the held-out rows unchanged")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")
@@ -459,7 +474,7 @@ def main(argv=None):
         print(f"bench_real_rl: needs the model folder {opts.model} and {SHARED}; skipped")
         return 0
     os.makedirs(opts.work, exist_ok=True)
-    data = build_data(opts.work)
+    data = build_data(opts.work, opts.train_weights)
     results_path = os.path.join(opts.work, "results.json")
     results = json.load(open(results_path)) if os.path.exists(results_path) else {}
 

@@ -174,6 +174,16 @@ def test_real_rl_bench_summarizes_a_recipes_seeds(tmp_path, capsys):
         bench.main(["--summarize", str(tmp_path / "unfinished")])
 
 
+def test_real_rl_bench_keeps_weighted_training_data_apart():
+    """``--train_weights`` data go to a folder of their own (named by the weights), the default data to
+    ``WORK/ifeval``, so a work folder never mixes a weighted training file with another's."""
+    bench = load_module("bench_real_rl")
+    assert bench.data_folder("w") == os.path.join("w", "ifeval")
+    two = bench.data_folder("w", "punctuation:no_comma=2")
+    assert two.startswith(os.path.join("w", "ifeval-")) and two == bench.data_folder("w", "punctuation:no_comma=2")
+    assert two != bench.data_folder("w", "punctuation:no_comma=3")
+
+
 def test_real_rl_bench_evaluates_on_the_gpu_only_when_there_is_one(monkeypatch):
     import torch
 

@@ -406,3 +406,37 @@ def test_the_builder_draws_only_the_types_asked_for(tmp_path):
     source = tmp_path / "alpaca.json"
     source.write_text(json.dumps(rows))
     assert builder.main(["--alpaca", str(source), "--out", str(tmp_path / "out"), "--types", "no:such_type"]) == 2
+
+
+def test_train_weights_change_the_training_draws_only(tmp_path, capsys):
+    """``--train_weights``: the named types drawn W times as often in train.jsonl; heldout.jsonl byte for byte as
+    without it, so runs trained on weighted data are scored on the same prompts."""
+    rows = [{"instruction": f"Describe the colour number {i} of the rainbow in detail.", "input": "",
+             "output": "It is a warm and bright colour seen after rain."} for i in range(400)]
+    types = ("punctuation:no_comma", "detectable_content:postscript", "detectable_format:title")
+    plain = builder.build(rows, seed=3, heldout=100, types=types)
+    weighted = builder.build(rows, seed=3, heldout=100, types=types,
+                             train_weights={"punctuation:no_comma": 4.0})
+    assert weighted["heldout.jsonl"] == plain["heldout.jsonl"]
+    assert weighted["heldout_plain.jsonl"] == plain["heldout_plain.jsonl"]
+
+    def first_share(part):  # the first constraint's odds: 4 of 6 weighted, 1 of 3 uniform
+        return sum(r["instruction_id_list"][0] == "punctuation:no_comma" for r in part) / len(part)
+
+    assert first_share(plain["train.jsonl"]) == pytest.approx(1 / 3, abs=0.08)
+    assert first_share(weighted["train.jsonl"]) == pytest.approx(4 / 6, abs=0.08)
+    source = tmp_path / "alpaca.json"
+    source.write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    assert builder.main(["--alpaca", str(source), "--out", str(out), "--seed", "3", "--heldout", "100", "--types",
+                         ",".join(types), "--train_weights", "punctuation:no_comma=4"]) == 0
+    assert [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()] == weighted["train.jsonl"]
+    capsys.readouterr()
+    for bad in ("punctuation:no_comma=0", "punctuation:no_comma", "startend:end_checker=2", "=3"):
+        assert builder.main(["--alpaca", str(source), "--out", str(tmp_path / bad), "--types", ",".join(types),
+                             "--train_weights", bad]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors[0] == "error: --train_weights: 'punctuation:no_comma=0' is not TYPE=W with a positive number W"
+    assert errors[1] == "error: --train_weights: 'punctuation:no_comma' is not TYPE=W with a positive number W"
+    assert errors[2].startswith("error: --train_weights: startend:end_checker is not among the types drawn")
+    assert len(errors) == 4

@@ -39,7 +39,9 @@ alpaca file, ``prompt``, ``instruction_id_list``, ``kwargs``) plus ``instruction
 ``reference_output`` (alpaca's ``output``); ``--heldout`` instructions (those first in the order of
 ``sha256(seed:instruction)``, a split fixed by the seed) go to ``heldout.jsonl`` and never to training; and
 ``heldout_plain.jsonl``, the same held-out instructions with no constraint (``prompt`` = the instruction), for a
-content guard: that answering with constraints did not cost the answers' quality. Pure Python: no torch import.
+content guard: that answering with constraints did not cost the answers' quality. ``--train_weights
+TYPE=W,...`` draws the named types W times as often in the training rows (more practice on the types a model
+finds hard); the held-out rows are drawn as without it. Pure Python: no torch import.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import os
 import random
 import re
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from utils.errors import BAD_INPUT, UserInputError
 from utils.files import content_hash
@@ -174,16 +176,23 @@ def with_period(instruction: str) -> str:
     return text if text[-1:] in ".?!:" else text + "."
 
 
-def constrain(instruction: str, output: str, seed: int, types: Tuple[str, ...] = TYPES
-              ) -> Tuple[str, List[str], List[dict]]:
+def constrain(instruction: str, output: str, seed: int, types: Tuple[str, ...] = TYPES,
+              weights: Optional[Dict[str, float]] = None) -> Tuple[str, List[str], List[dict]]:
     """``(prompt, instruction ids, kwargs)``: one or two compatible constraints of ``types`` for ``instruction``,
     drawn with a generator seeded by ``seed`` and the instruction's text, their texts after it (a repeat request's
-    last)."""
+    last). ``weights``: a type's odds against the others' (1 for a type not named); ``None`` draws uniformly, as
+    the held-out rows always are."""
     rng = random.Random(f"{seed}:{instruction}")
-    ids = [rng.choice(types)]
+
+    def draw(among: List[str]) -> str:
+        if weights is None:
+            return rng.choice(among)
+        return rng.choices(among, weights=[weights.get(t, 1.0) for t in among])[0]
+
+    ids = [draw(list(types))]
     second = [t for t in types if compatible(ids[0], t)]
     if rng.random() < TWO_CONSTRAINTS and second:
-        ids.append(rng.choice(second))
+        ids.append(draw(second))
     ids.sort(key=lambda t: t == REPEAT)
     context = Context(instruction, output)
     kwargs = {t: DRAWS[t](rng, context) for t in ids if t != FORBIDDEN}
@@ -243,24 +252,47 @@ def split(items: List[Tuple[int, str, str]], heldout: int, seed: int) -> Tuple[l
     return [i for i in items if i[1] not in held], [i for i in items if i[1] in held]
 
 
-def build(rows: List[dict], seed: int, heldout: int, types: Tuple[str, ...] = TYPES) -> Dict[str, List[dict]]:
-    """The three files' rows (module docstring) from alpaca ``rows``, constraints of ``types``."""
+def build(rows: List[dict], seed: int, heldout: int, types: Tuple[str, ...] = TYPES,
+          train_weights: Optional[Dict[str, float]] = None) -> Dict[str, List[dict]]:
+    """The three files' rows (module docstring) from alpaca ``rows``, constraints of ``types``; the training rows'
+    drawn with ``train_weights`` (:func:`constrain`), the held-out rows' uniformly whatever they are, so that
+    runs trained on differently weighted data are scored on the same held-out prompts."""
     items = instructions(rows)
     if len(items) <= heldout:
         raise UserInputError(f"--alpaca: {len(items)} distinct instructions with an empty input; --heldout {heldout} "
                              "leaves none to train on (give more rows or a smaller --heldout)")
     train, held = split(items, heldout, seed)
 
-    def constrained(item):
+    def constrained(item, weights=None):
         key, instruction, output = item
-        prompt, ids, kwargs = constrain(instruction, output, seed, types)
+        prompt, ids, kwargs = constrain(instruction, output, seed, types, weights)
         return {"key": key, "prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs,
                 "instruction": instruction, "reference_output": output}
 
     plain = [{"key": key, "prompt": instruction, "instruction": instruction, "reference_output": output}
              for key, instruction, output in held]
-    return {"train.jsonl": [constrained(i) for i in train], "heldout.jsonl": [constrained(i) for i in held],
-            "heldout_plain.jsonl": plain}
+    return {"train.jsonl": [constrained(i, train_weights) for i in train],
+            "heldout.jsonl": [constrained(i) for i in held], "heldout_plain.jsonl": plain}
+
+
+def parse_weights(text: str, types: Tuple[str, ...]) -> Dict[str, float]:
+    """``"TYPE=W,TYPE=W"`` → ``{TYPE: W}``; each type one of ``types``, each weight a positive number."""
+    weights = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        name = name.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not name or not weight > 0 or weight == float("inf"):
+            raise UserInputError(f"--train_weights: {part!r} is not TYPE=W with a positive number W")
+        if name not in types:
+            raise UserInputError(f"--train_weights: {name} is not among the types drawn ({', '.join(types)})")
+        weights[name] = weight
+    if not weights:
+        raise UserInputError("--train_weights: no TYPE=W given")
+    return weights
 
 
 def _jsonl(rows: List[dict]) -> str:
@@ -280,6 +312,9 @@ def parse_args(argv=None):
     p.add_argument("--types", default=None,
                    help="Comma-separated instruction ids to draw from (default: all of the table's " + str(len(TYPES))
                         + "); e.g. those a small model can learn.")
+    p.add_argument("--train_weights", default=None, metavar="TYPE=W,...",
+                   help="Draw these types W times as often as a type not named (1), in the training rows only: "
+                        "the held-out rows stay as without it; e.g. more of the types a model finds hard.")
     p.add_argument("--overwrite", action="store_true", help="Replace the files an earlier run wrote in --out.")
     return p.parse_args(argv)
 
@@ -303,7 +338,8 @@ def main(argv=None) -> int:
             if unknown or not types:
                 raise UserInputError(f"--types: {', '.join(unknown) or 'none given'} not among the builder's types "
                                      f"({', '.join(TYPES)})")
-        files = build(read_alpaca(args.alpaca), args.seed, args.heldout, types)
+        weights = parse_weights(args.train_weights, types) if args.train_weights else None
+        files = build(read_alpaca(args.alpaca), args.seed, args.heldout, types, weights)
         try:
             os.makedirs(args.out, exist_ok=True)
             for name, rows in files.items():
