@@ -34,9 +34,9 @@ steps a minute on this CPU, which has avx512_bf16; the evaluation is fp32 either
 (the data builder's: some types drawn more often in the training rows, the held-out rows unchanged) change the
 GRPO and TRL rows alike, ``--reward_fn`` the GRPO row; one run is one seed, and a recipe's runs spread over 10 to
 20 points, so judge a recipe on several (docs/real-model.md), each in its own ``--work``, and
-print them with ``--summarize WORK WORK …`` (each row's mean and range). The training and the evaluation run on
-the GPU when there is one; ``SHARED_DATA`` names the data folder where ``../shared/data`` is not beside the
-checkout.
+print them with ``--summarize WORK WORK …`` (each row's mean and range; ``--plot PNG`` draws all their curves).
+The training and the evaluation run on the GPU when there is one; ``SHARED_DATA`` names the data folder where
+``../shared/data`` is not beside the checkout.
 """
 from __future__ import annotations
 
@@ -383,19 +383,34 @@ def seeds_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: str) -> None:
-    """Strict compliance and the content guards against the RL step (the held-out curve of each run)."""
+def plot(curves: dict, path: str) -> list:
+    """Strict compliance and the content guards against the RL step. ``curves``: ``{label: {step: {"strict",
+    "f1", "bare", ...}}}``, one line each (a run's held-out curve); a label ending in ``, <run>`` shares its colour
+    with the other runs of its row and takes a line style of its own. Grey: the issue's target and guards, from the
+    first curve's step 0 (the base). Returns the labels in the order drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for name, curve in results.get("curve", {}).items():
+    colours, drawn = {}, {}  # per row: its colour, and how many of its runs are drawn (the line style)
+    for label, curve in curves.items():
+        row = label.partition(", ")[0]
+        colour = colours.setdefault(row, f"C{len(colours)}")
+        style = ("-", "--", ":", "-.")[drawn.get(row, 0) % 4]
+        drawn[row] = drawn.get(row, 0) + 1
         steps = sorted(curve, key=int)
         x = [int(s) for s in steps]
         for ax, key in zip(axes, ("strict", "f1", "bare")):
-            ax.plot(x, [curve[s][key] for s in steps], marker="o", label=ROW_NAMES[name])
+            ax.plot(x, [curve[s][key] for s in steps], marker="o", color=colour, linestyle=style, label=label)
+    base = next((curve["0"] for curve in curves.values() if "0" in curve), None)
+    if base is not None:  # the issue's targets, grey: what each panel's lines must clear
+        for ax, level, text in ((axes[0], base["strict"] + 0.20, "target: base + 20 points"),
+                                (axes[1], 0.9 * base["f1"], "guard: 90 % of the base"),
+                                (axes[2], 0.05, "guard: at most 5 %")):
+            ax.axhline(level, color="grey", linestyle="--", linewidth=1)
+            ax.annotate(text, (0, level), textcoords="offset points", xytext=(2, 3), fontsize=7, color="grey")
     for ax, title in zip(axes, ("strict compliance (held out)", "unigram F1 vs alpaca's answer",
                                 "bare answers (only the constraint)")):
         ax.set_title(title, fontsize=10)
@@ -404,6 +419,8 @@ def plot(results: dict, path: str) -> None:
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return list(curves)
 
 
 def main(argv=None):
@@ -452,7 +469,11 @@ def main(argv=None):
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")
+    parser.add_argument("--plot", metavar="PNG", help="with --summarize: draw every run's held-out curves in one "
+                        "figure (a colour per row, a line style per run)")
     opts = parser.parse_args(argv)
+    if opts.plot and not opts.summarize:
+        parser.error("--plot goes with --summarize (a single run draws WORK/real_rl.png itself)")
     if opts.autocast and opts.dtype != "bf16":
         parser.error("--autocast needs --dtype bf16")
     if opts.generation_dtype and opts.dtype == "bf16" and not opts.autocast:
@@ -469,6 +490,11 @@ def main(argv=None):
                 raise SystemExit(f"bench_real_rl: {path} has no base model's evaluation: not a finished run")
             runs[os.path.basename(os.path.normpath(work))] = results
         print(seeds_table(runs))
+        if opts.plot:
+            short = {"grpo": "step 3 GRPO", "trl": "TRL GRPOTrainer", "ppo": "step 3 PPO"}
+            plot({f"{short[row]}, {name}": results["curve"][row] for row in short
+                  for name, results in runs.items() if row in results.get("curve", {})}, opts.plot)
+            print(f"plot: {opts.plot}")
         return 0
     if not os.path.isdir(opts.model) or not os.path.isdir(SHARED):
         print(f"bench_real_rl: needs the model folder {opts.model} and {SHARED}; skipped")
@@ -527,7 +553,8 @@ def main(argv=None):
             curve[str(opts.steps)] = {k: results[row][k] for k in ("strict", "f1", "length", "bare")}
             save()
     print("\n" + table(results) + "\n")
-    plot(results, os.path.join(opts.work, "real_rl.png"))
+    plot({ROW_NAMES[name]: curve for name, curve in results.get("curve", {}).items()},
+         os.path.join(opts.work, "real_rl.png"))
     for name in ("base", "grpo"):
         for e in results.get(name, {}).get("examples", []):
             print(f"{name}: {e['prompt']!r}\n  -> {e['answer']!r}")

@@ -174,6 +174,32 @@ def test_real_rl_bench_summarizes_a_recipes_seeds(tmp_path, capsys):
         bench.main(["--summarize", str(tmp_path / "unfinished")])
 
 
+def test_real_rl_bench_draws_a_recipes_seeds_in_one_plot(tmp_path, monkeypatch):
+    """``--summarize ... --plot`` draws each run's curve of each row, rows in the fixed order (GRPO, TRL, PPO),
+    a run without a curve left out; ``--plot`` alone is refused."""
+    bench = load_module("bench_real_rl")
+    point = {"strict": 0.4, "f1": 0.25, "length": 60.0, "bare": 0.01}
+    curve = {"0": point, "40": dict(point, strict=0.6)}
+    evaluation = {"strict": 0.4, "per_type": {}, "f1": 0.25, "plain_f1": 0.3, "length": 60.0, "bare": 0.01,
+                  "kl": 4.0, "gsm8k": 0.02}
+    runs = {"s1": {"base": evaluation, "trl": evaluation, "grpo": evaluation, "curve": {"trl": curve,
+                                                                                        "grpo": curve}},
+            "s2": {"base": evaluation, "grpo": evaluation, "curve": {"grpo": curve}},
+            "old": {"base": evaluation, "grpo": evaluation}}
+    for name, results in runs.items():
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    drawn, plot = {}, bench.plot
+    monkeypatch.setattr(bench, "plot", lambda curves, path: drawn.update(path=path, labels=list(curves)))
+    png = str(tmp_path / "seeds.png")
+    assert bench.main(["--summarize"] + [str(tmp_path / n) for n in runs] + ["--plot", png]) == 0
+    assert drawn == {"path": png, "labels": ["step 3 GRPO, s1", "step 3 GRPO, s2", "TRL GRPOTrainer, s1"]}
+    assert plot({label: curve for label in drawn["labels"]}, png) == drawn["labels"]
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        bench.main(["--plot", png])
+
+
 def test_real_rl_bench_keeps_weighted_training_data_apart():
     """``--train_weights`` data go to a folder of their own (named by the weights), the default data to
     ``WORK/ifeval``, so a work folder never mixes a weighted training file with another's."""
