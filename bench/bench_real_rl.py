@@ -480,7 +480,7 @@ def main(argv=None):
         parser.error("--generation_dtype bf16 with bf16 weights copies nothing new: add --autocast")
     if opts.summarize:
         runs = {}
-        for work in opts.summarize:
+        for i, work in enumerate(opts.summarize):
             path = os.path.join(work, "results.json")
             if not os.path.exists(path):
                 raise SystemExit(f"bench_real_rl: no {path}: not a finished run's --work folder")
@@ -488,7 +488,12 @@ def main(argv=None):
                 results = json.load(f)
             if "base" not in results:
                 raise SystemExit(f"bench_real_rl: {path} has no base model's evaluation: not a finished run")
-            runs[os.path.basename(os.path.normpath(work))] = results
+            if os.path.normpath(work) in map(os.path.normpath, opts.summarize[:i]):
+                raise SystemExit(f"bench_real_rl: {work} given twice")
+            name = os.path.basename(os.path.normpath(work))
+            if name in runs:  # another parent's folder of the same name: keep both, named by their parents
+                name = os.path.join(os.path.basename(os.path.dirname(os.path.normpath(work))), name)
+            runs[name] = results
         print(seeds_table(runs))
         if opts.plot:
             short = {"grpo": "step 3 GRPO", "trl": "TRL GRPOTrainer", "ppo": "step 3 PPO"}

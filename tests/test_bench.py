@@ -194,6 +194,15 @@ def test_real_rl_bench_draws_a_recipes_seeds_in_one_plot(tmp_path, monkeypatch):
     png = str(tmp_path / "seeds.png")
     assert bench.main(["--summarize"] + [str(tmp_path / n) for n in runs] + ["--plot", png]) == 0
     assert drawn == {"path": png, "labels": ["step 3 GRPO, s1", "step 3 GRPO, s2", "TRL GRPOTrainer, s1"]}
+    os.makedirs(tmp_path / "trl" / "s1")  # a second folder named s1: named by its parent, both kept
+    (tmp_path / "trl" / "s1" / "results.json").write_text(json.dumps(runs["s1"]))
+    assert bench.main(["--summarize", str(tmp_path / "s2"), str(tmp_path / "trl" / "s1"), "--plot", png]) == 0
+    assert drawn["labels"] == ["step 3 GRPO, s2", "step 3 GRPO, s1", "TRL GRPOTrainer, s1"]
+    assert bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "trl" / "s1"), "--plot", png]) == 0
+    assert drawn["labels"] == ["step 3 GRPO, s1", "step 3 GRPO, trl/s1", "TRL GRPOTrainer, s1",
+                               "TRL GRPOTrainer, trl/s1"]
+    with pytest.raises(SystemExit, match="given twice"):
+        bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "s1")])
     assert plot({label: curve for label in drawn["labels"]}, png) == drawn["labels"]
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
