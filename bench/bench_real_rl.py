@@ -479,8 +479,12 @@ def main(argv=None):
     if opts.generation_dtype and opts.dtype == "bf16" and not opts.autocast:
         parser.error("--generation_dtype bf16 with bf16 weights copies nothing new: add --autocast")
     if opts.summarize:
+        folders = [os.path.normpath(work) for work in opts.summarize]
+        twice = sorted({work for work in folders if folders.count(work) > 1})
+        if twice:
+            raise SystemExit(f"bench_real_rl: {', '.join(twice)} given twice")
         runs = {}
-        for i, work in enumerate(opts.summarize):
+        for work in folders:
             path = os.path.join(work, "results.json")
             if not os.path.exists(path):
                 raise SystemExit(f"bench_real_rl: no {path}: not a finished run's --work folder")
@@ -488,11 +492,9 @@ def main(argv=None):
                 results = json.load(f)
             if "base" not in results:
                 raise SystemExit(f"bench_real_rl: {path} has no base model's evaluation: not a finished run")
-            if os.path.normpath(work) in map(os.path.normpath, opts.summarize[:i]):
-                raise SystemExit(f"bench_real_rl: {work} given twice")
-            name = os.path.basename(os.path.normpath(work))
+            name = os.path.basename(work)
             if name in runs:  # another parent's folder of the same name: keep both, named by their parents
-                name = os.path.join(os.path.basename(os.path.dirname(os.path.normpath(work))), name)
+                name = os.path.join(os.path.basename(os.path.dirname(work)), name)
             runs[name] = results
         print(seeds_table(runs))
         if opts.plot:
