@@ -64,6 +64,8 @@ class Rollout:
     answers            list       the decoded answers (reward functions, --print_answers)
     values             [B, A]     critic values V_old of the state before each action (gae only)
     scores             [B]        the answer's reward (:meth:`DeepSpeedPPOTrainer.score`)
+    task_scores        [B]        the reward before ``--overlong_penalty``: what ``--dynamic_sampling`` filters on
+                                  (DAPO filters on accuracy, not on length); None once filtered
     advantages         [B, A]     per-action advantages (0 outside the action mask)
     returns            [B, A]     GAE returns, the critic's targets (gae only)
     =================  =========  ================================================================
@@ -87,6 +89,7 @@ class Rollout:
     answers: List[str] = field(default_factory=list)
     values: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
+    task_scores: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     group_size: int = 1
@@ -217,6 +220,55 @@ def cut_batches(batches: List[dict], size: int) -> List[dict]:
     return [{key: value[i:i + size] for key, value in whole.items()} for i in range(0, rows, size)]
 
 
+class WholeSteps:
+    """A round's training schedule → the micro-batches that make whole optimizer steps of ``per_step`` each
+    (``--gradient_accumulation_steps``); the rest wait for the next round.
+
+    DeepSpeed counts micro-batches across rounds, so when a round's micro-batches × ``--ppo_epochs`` do not fill whole
+    optimizer steps, a step spans two rounds (or, with ``per_step`` above a round's, several). Its loss normalizer,
+    the step's mean count per micro-batch (:func:`utils.rl_math.step_normalizers`), needs the count of every
+    micro-batch of the step, so the micro-batches that do not make a whole step yet are trained at the start of the
+    next round's schedule. They lose nothing by waiting: no optimizer step runs in between, so the weights they are
+    trained at, and their ratios, are the same. Micro-batches still waiting when the run ends are not trained, as
+    DeepSpeed never steps an unfinished accumulation either.
+
+    ``waiting`` holds ``(micro-batch, text or None)`` pairs; :meth:`state` and :meth:`from_state` carry them through
+    a checkpoint.
+    """
+
+    def __init__(self, per_step: int, waiting: Optional[list] = None):
+        if per_step < 1:
+            raise ValueError(f"per_step must be ≥ 1, got {per_step}")
+        self.per_step = per_step
+        self.waiting = list(waiting or [])
+
+    def take(self, schedule: list) -> list:
+        """The waiting pairs, then ``schedule``'s, cut to whole optimizer steps (in order); keeps the rest."""
+        pairs = self.waiting + list(schedule)
+        whole = len(pairs) - len(pairs) % self.per_step
+        self.waiting = pairs[whole:]
+        return pairs[:whole]
+
+    def state(self) -> list:
+        """The waiting pairs as CPU tensors, lists and numbers (``torch.load(weights_only=True)`` reads them)."""
+        def cpu(value):
+            return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+        return [{"micro": {k: cpu(v) for k, v in micro.state().items()},
+                 "text": None if text is None else {k: cpu(v) for k, v in text.items()}}
+                for micro, text in self.waiting]
+
+    @classmethod
+    def from_state(cls, per_step: int, state: Optional[list], device=None) -> "WholeSteps":
+        def to(value):
+            return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
+
+        waiting = [(Rollout.from_state({k: to(v) for k, v in pair["micro"].items()}),
+                    None if pair["text"] is None else {k: to(v) for k, v in pair["text"].items()})
+                   for pair in state or []]
+        return cls(per_step, waiting)
+
+
 def reward_ema(ema: Optional[float], value: float, alpha: float = 0.9) -> float:
     """The reference's reward EMA after ``value``: ``α·ema + (1−α)·value`` (``ema`` None: the first value)."""
     prev = value if ema is None else ema
@@ -247,13 +299,17 @@ def old_logprobs_from_training_pass(ppo, micro_batches_per_round: int, grad_accu
 
     Yes when the update is provably on-policy and nothing reads log π_old before training: one pass over the
     round (``ppo_epochs`` 1) whose micro-batches all see the weights that generated it (the actor's optimizer
-    steps only at the round's end: ``grad_accum`` a multiple of its micro-batches), no dropout (the training
-    pass in train mode then equals the eval-mode pass), and no KL penalty in the reward (it needs log π_old at
-    advantage time). Then the ratio is exactly 1 and its gradient is the policy gradient, as TRL computes it.
+    steps only at the round's end: ``grad_accum``, the RL micro-batches per optimizer step, a multiple of the
+    round's), no dropout (the training pass in train mode then equals the eval-mode pass), and no KL penalty in the
+    reward (it needs log π_old at advantage time). When a step spans several rounds, the earlier rounds' micro-batches
+    wait for it (:class:`WholeSteps`) and are not trained when their round's KL metric is logged, so then there may be
+    no reference model (``kl_ctl`` 0). Then the ratio is exactly 1 and its gradient is the policy gradient, as TRL
+    computes it.
     """
     kl_in_reward = ppo.kl_ctl > 0 and not ppo.use_kl_loss
+    rounds_wait = grad_accum != micro_batches_per_round and ppo.kl_ctl > 0
     return (ppo.ppo_epochs == 1 and grad_accum % max(micro_batches_per_round, 1) == 0 and not dropout
-            and not kl_in_reward)
+            and not kl_in_reward and not rounds_wait)
 
 
 def _group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -273,8 +329,8 @@ class RoundCollector:
 
     Without ``--dynamic_sampling`` a round is the next ``--generation_batches`` batches that kept an answer (a batch
     whose answers were all dropped is skipped). With it, each batch keeps only its informative groups
-    (:func:`utils.rl_math.informative_groups` on the clipped scores: two or more valid answers that do not all score
-    the same), and batches are drawn until every rank holds the round's ``--generation_batches`` ×
+    (:func:`utils.rl_math.informative_groups` on the clipped task scores, before ``--overlong_penalty``: two or more
+    valid answers that do not all score the same), and batches are drawn until every rank holds the round's ``--generation_batches`` ×
     ``groups_per_batch`` groups or ``--dynamic_sampling_max_batches`` batches were drawn (the same number on every
     rank: the decision takes the minimum over ranks). Every rank then trains on exactly that many groups: its first
     kept ones (the surplus is dropped, as DAPO does) and, when the limit came first, dropped groups masked out of every
@@ -318,11 +374,15 @@ class RoundCollector:
         for key, value in rollout.info.items():
             self.info[key] = self.info.get(key, 0) + value
         if rollout.info["kept"] > 0:
-            clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
+            # on the task's reward, before --overlong_penalty: a group all right (or all wrong) whose answers differ
+            # only in length is not informative (DAPO filters on accuracy)
+            task = rollout.task_scores if rollout.task_scores is not None else rollout.scores
+            clipped = task.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
             keep = informative_groups(clipped, G, rollout.valid).to(rollout.input_ids.device)
         else:  # nothing was scored: every group is one to fill with
             rollout.scores = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
             keep = torch.zeros(groups, dtype=torch.bool, device=rollout.input_ids.device)
+        rollout.task_scores = None  # read: the round's parts all leave it out
         kept, dropped = keep.nonzero().reshape(-1), (~keep).nonzero().reshape(-1)
         taken = kept[:max(self.target - self.kept_groups, 0)]
         if len(taken):
@@ -604,7 +664,8 @@ class DeepSpeedPPOTrainer:
         """``[B]`` float32 rewards: the reward model's end score, the reward function's score, or
         ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`); plus, with
         ``--overlong_penalty L``, DAPO's soft length penalty (:func:`utils.rl_math.overlong_penalty`) of the answer's
-        tokens, its end token included, times ``--overlong_penalty_weight``."""
+        tokens, its end token included, times ``--overlong_penalty_weight``. The score before that penalty is kept as
+        ``rollout.task_scores`` (``--dynamic_sampling`` filters on it)."""
         from utils.reward_functions import call_reward_fn
 
         start = time.time()
@@ -618,6 +679,7 @@ class DeepSpeedPPOTrainer:
             scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)
             weight = 1.0 if self.reward.fn_weight is None else self.reward.fn_weight
             total += weight * torch.tensor(scores, dtype=torch.float32, device=total.device)
+        rollout.task_scores = total.clone()
         if self.ppo.overlong_penalty:
             lengths = rollout.attention_mask[:, rollout.prompt_length:].sum(dim=1)
             penalty = overlong_penalty(lengths, self.max_answer_seq_len, self.ppo.overlong_penalty)
@@ -666,7 +728,7 @@ class DeepSpeedPPOTrainer:
         a token, or answers) per micro-batch of its optimizer step, every rank's included
         (:func:`utils.rl_math.step_normalizers`). ``micro_batches`` in training order; ``per_step``: the actor's
         RL micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
-        counts = [float(loss_count(m.action_mask, self.ppo.loss_agg)) for m in micro_batches]
+        counts = [float(loss_count(m.action_mask, self.ppo.loss_agg, m.valid)) for m in micro_batches]
         reduce = None
         if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
             device = micro_batches[0].action_mask.device if micro_batches else None
@@ -686,7 +748,7 @@ class DeepSpeedPPOTrainer:
         are also the ratio's denominator."""
         ppo, mask = self.ppo, micro.action_mask
         if normalizer is None:
-            normalizer = float(loss_count(mask, ppo.loss_agg))
+            normalizer = float(loss_count(mask, ppo.loss_agg, micro.valid))
 
         def aggregate(per_token):
             return aggregate_loss(per_token, mask, ppo.loss_agg, normalizer, self.max_answer_seq_len)

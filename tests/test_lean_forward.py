@@ -259,7 +259,12 @@ def test_the_on_policy_shortcut_gives_the_update_of_the_extra_pass():
 def test_on_policy_only_when_provably_so():
     grpo = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=4)  # KL in the loss
     assert old_logprobs_from_training_pass(grpo, micro_batches_per_round=1, grad_accum=1, dropout=False)
-    assert old_logprobs_from_training_pass(grpo, micro_batches_per_round=2, grad_accum=4, dropout=False)
+    # a step of two rounds: the first round's micro-batches wait for the second's (WholeSteps), so the first round's
+    # KL metric would read log π_old before its training pass wrote them: on-policy only without a reference model
+    assert not old_logprobs_from_training_pass(grpo, micro_batches_per_round=2, grad_accum=4, dropout=False)
+    no_kl = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=4, kl_ctl=0.0)
+    assert old_logprobs_from_training_pass(no_kl, micro_batches_per_round=2, grad_accum=4, dropout=False)
+    assert old_logprobs_from_training_pass(grpo, micro_batches_per_round=2, grad_accum=2, dropout=False)
     assert not old_logprobs_from_training_pass(grpo, 2, 1, False)  # a second optimizer step inside the round
     assert not old_logprobs_from_training_pass(grpo, 1, 1, True)  # dropout: train mode ≠ eval mode
     two_epochs = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=4, ppo_epochs=2)

@@ -48,6 +48,11 @@ DAPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3", "--do_sample",
         "--enable_ema", "--actor_dropout", "0.1", "--num_warmup_steps", "0", "--actor_learning_rate", "1e-3",
         "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
+# GRPO whose optimizer steps span rounds (issue 57): 8 answers a round in micro-batches of 3, 2 a step, so the
+# checkpoint after round 3 holds a micro-batch (and its text) waiting for round 4's (WholeSteps): it must resume
+SPANNING = GRPO[:GRPO.index("--per_device_training_batch_size")] + [
+    "--per_device_training_batch_size", "3", "--gradient_accumulation_steps", "2"] + \
+    GRPO[GRPO.index("--per_device_training_batch_size") + 2:]
 STEPS = {  # name: (entry point, arguments, the first quantity check_finite sees)
     "step1": ("step1_supervised_finetuning/main.py", ["--model_name_or_path", "tiny-opt", *COMMON], "loss"),
     "step2_rm": ("step2_reward_model_finetuning/main.py",
@@ -56,6 +61,7 @@ STEPS = {  # name: (entry point, arguments, the first quantity check_finite sees
     "step3": ("step3_rlhf_finetuning/main.py", PPO, "actor_loss"),
     "step3_grpo": ("step3_rlhf_finetuning/main.py", GRPO, "actor_loss"),
     "step3_dapo": ("step3_rlhf_finetuning/main.py", DAPO, "actor_loss"),
+    "step3_spanning_steps": ("step3_rlhf_finetuning/main.py", SPANNING, "actor_loss"),
 }
 STEP1 = STEPS["step1"]
 

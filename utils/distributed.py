@@ -243,3 +243,12 @@ def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         tensor = tensor / get_world_size()
     return tensor
+
+
+def gather_per_rank(value) -> list:
+    """``[rank 0's value, rank 1's, …]`` on every rank (picklable values; ``[value]`` with one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or get_world_size() == 1:
+        return [value]
+    out = [None] * get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out

@@ -427,13 +427,18 @@ def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     return _apply_mask(-weight * advantages.float() * lp, m)
 
 
-def loss_count(action_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+def loss_count(action_mask: torch.Tensor, loss_agg: str, valid: torch.Tensor | None = None) -> torch.Tensor:
     """What :func:`aggregate_loss` divides by, counted on one micro-batch: its counted tokens (``token_mean``), its
     answers with a counted token (``seq_mean_token_mean``) or its answers (``seq_mean_token_sum_norm``).
+
+    Dr. GRPO's count is of answers, not of their tokens, so an answer whose tokens are all masked out still counts
+    (an answer cut at the length cap under ``--mask_truncated_answers``, as TRL counts it); the rows that are not
+    answers at all (``valid`` 0: dropped answers, ``--dynamic_sampling``'s filler rows) do not.
 
     Args:
         action_mask: ``[B, A]`` (1 = counts).
         loss_agg: ``token_mean``, ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm``.
+        valid: ``[B]`` (1 = an answer that counts; None: every row) — read by ``seq_mean_token_sum_norm`` only.
 
     Returns:
         Scalar float32.
@@ -444,7 +449,9 @@ def loss_count(action_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     if loss_agg == "seq_mean_token_mean":
         return (m.sum(dim=1) > 0).float().sum()
     if loss_agg == "seq_mean_token_sum_norm":
-        return torch.tensor(float(m.shape[0]))
+        if valid is None:
+            return torch.tensor(float(m.shape[0]))
+        return (valid.reshape(-1) != 0).float().sum()
     raise ValueError(f"unknown loss aggregation {loss_agg!r}")
 
 
@@ -492,7 +499,8 @@ def step_normalizers(counts: Sequence[float], per_step: int, all_reduce=None, wo
     """The normalizer of each micro-batch: the mean :func:`loss_count` per micro-batch over its optimizer step.
 
     Micro-batches ``0 … per_step − 1`` make the first optimizer step, and so on (a shorter last run of them, their
-    own). Summed over the step's micro-batches and over the ranks (``all_reduce``, an in-place sum such as
+    own: step 3 passes whole optimizer steps only, :class:`step3_rlhf_finetuning.ppo_trainer.WholeSteps`). Summed
+    over the step's micro-batches and over the ranks (``all_reduce``, an in-place sum such as
     ``torch.distributed.all_reduce``, with ``world_size`` ranks), divided by the micro-batches of the step on every
     rank: each micro-batch's ``sum / normalizer``, averaged by the engine over the step's micro-batches and ranks, is
     the step's sum over its whole count. A short micro-batch (the last of a round) weighs its tokens like the others.
