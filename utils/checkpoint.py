@@ -246,6 +246,36 @@ def verify_manifest(root: str) -> Optional[str]:
     return None
 
 
+def holds_checkpoint(folder: str) -> bool:
+    """A ``step-N`` folder holds a checkpoint (or what is left of one): something a checkpoint save writes (its
+    manifest, trainer state, RNG states, an engine's folder). A folder holding only a user's files is not one."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n in (MANIFEST, STATE) or n.startswith("rng-rank") or os.path.isdir(os.path.join(folder, n))
+               for n in names)
+
+
+def remove_checkpoint(folder: str) -> None:
+    """Delete checkpoint ``folder``: the files its manifest lists and the manifest, then the folders left empty; a
+    file the manifest does not list (a user's notes) stays, and so does the folder holding it. A checkpoint
+    without a readable manifest (damaged) is deleted whole."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            listed = [rel for rel in json.load(f)]
+    except (OSError, ValueError, TypeError):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for rel in listed + [MANIFEST]:
+        path = os.path.join(folder, rel)
+        if os.path.normpath(rel).split(os.sep)[0] != os.pardir and (os.path.isfile(path) or os.path.islink(path)):
+            os.remove(path)
+    for root, dirs, files in os.walk(folder, topdown=False):
+        if not os.listdir(root):
+            os.rmdir(root)
+
+
 def _broadcast(obj):
     """Rank 0's ``obj`` on every rank."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
@@ -345,7 +375,7 @@ class CheckpointManager:
         if not os.path.isdir(self.root):
             return []
         names = sorted((n for n in os.listdir(self.root) if _NAME.match(n)), reverse=True)
-        return [os.path.join(self.root, n) for n in names]
+        return [os.path.join(self.root, n) for n in names if holds_checkpoint(os.path.join(self.root, n))]
 
     def find_valid(self) -> Optional[str]:
         """The newest checkpoint whose files match its manifest (rank 0 decides, every rank gets the answer).
@@ -392,12 +422,17 @@ class CheckpointManager:
             barrier()
             if is_rank_0():
                 write_manifest(tmp)
-                if os.path.isdir(final):
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
+                if holds_checkpoint(final):
+                    remove_checkpoint(final)
+                if os.path.isdir(final):  # it holds a user's files, which stay: the new files are moved in
+                    for name in sorted(os.listdir(tmp), key=lambda n: n == MANIFEST):  # the manifest last
+                        os.replace(os.path.join(tmp, name), os.path.join(final, name))
+                    os.rmdir(tmp)
+                else:
+                    os.replace(tmp, final)
                 atomic_write_text(os.path.join(self.root, "latest"), name + "\n")  # fsyncs the root: both renames
                 for old in self.checkpoints()[self.max_checkpoints:]:
-                    shutil.rmtree(old, ignore_errors=True)
+                    remove_checkpoint(old)
         except BaseException as e:
             if is_rank_0():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -419,7 +454,7 @@ class CheckpointManager:
             start = time.time()
             path = self.save(step, engines, trainer_state())
             if self.folder is not None:
-                self.folder.checkpoint_saved(step, self.root)
+                self.folder.checkpoint_saved(step, self.root, path, os.path.join(self.root, "latest"))
             self.log(f"saved checkpoint {path} ({time.time() - start:.2f}s)")
         fault_injection.kill_point(step)
 

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -140,20 +141,50 @@ def atomic_write(path: str, write, what: str = "file") -> None:
         raise
 
 
+def renames_into(folder: str, other: str) -> bool:
+    """Can an entry of ``folder`` be renamed into ``other``? Not across file systems (``folder`` a mount point: a
+    dedicated volume, a bind mount) nor into a folder the process may not write. Probes with a file: created in
+    ``folder``, renamed into ``other`` (under a temporary's name, :data:`TEMPORARY_TAGS`, so that a kill leaves
+    nothing that is not cleaned up), removed. True when ``folder`` itself cannot be written (nothing to decide)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(folder)}{TEMPORARY_TAGS[0]}probe-", dir=folder)
+        os.close(fd)
+    except OSError:
+        return True
+    moved = os.path.join(other, os.path.basename(probe))
+    try:
+        os.replace(probe, moved)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+        return False
+    with contextlib.suppress(OSError):
+        os.remove(moved)
+    return True
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str):
-    """Write a folder atomically: yields a temporary sibling, renames it into place on success.
+    """Write a folder atomically: yields a temporary folder, renames it into place on success.
 
     Entries of an existing ``out_dir`` that the new content does not replace (a
-    ``training.log``, a tensorboard folder, sub-model folders) are moved across.
+    ``training.log``, a tensorboard folder, sub-model folders, a user's notes) are kept.
     On an exception the temporary folder is removed and ``out_dir`` is untouched,
     so a crash never leaves a half-written model behind.
+
+    A symlink ``out_dir`` is written through: its target is what is replaced (the link stays, the model lands on
+    the file system the link points to). The temporary folder is a sibling ``.NAME.tmp-*`` that replaces the whole
+    folder; where an existing ``out_dir`` cannot be renamed into its parent (a mount point: another file system,
+    or a parent the process may not write) it is ``NAME/.NAME.tmp-*`` inside it instead, and the new entries are
+    renamed into place one by one (the old ones in ``NAME/.NAME.old-*`` until then), so nothing ever crosses a
+    file system.
     """
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
+    out_dir = os.path.realpath(out_dir)
+    parent, base = os.path.dirname(out_dir), os.path.basename(out_dir)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}{TEMPORARY_TAGS[0]}", dir=parent)
+        inside = os.path.isdir(out_dir) and not renames_into(out_dir, parent)
+        tmp = tempfile.mkdtemp(prefix=f".{base}{TEMPORARY_TAGS[0]}", dir=out_dir if inside else parent)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; an output folder is an ordinary folder
@@ -165,11 +196,22 @@ def atomic_directory(out_dir: str):
             for name in files:
                 os.chmod(os.path.join(root, name), 0o666 & ~umask)
         fsync_tree(tmp)
-        if os.path.isdir(out_dir):
+        if inside:
+            old = tempfile.mkdtemp(prefix=f".{base}{TEMPORARY_TAGS[1]}", dir=out_dir)
+            names = sorted(os.listdir(tmp))
+            for name in names:
+                if os.path.lexists(os.path.join(out_dir, name)):
+                    os.replace(os.path.join(out_dir, name), os.path.join(old, name))
+            for name in names:
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            os.rmdir(tmp)
+            fsync_dir(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        elif os.path.isdir(out_dir):
             for name in os.listdir(out_dir):
-                if not os.path.exists(os.path.join(tmp, name)):
+                if not os.path.lexists(os.path.join(tmp, name)):
                     os.replace(os.path.join(out_dir, name), os.path.join(tmp, name))
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}{TEMPORARY_TAGS[1]}", dir=parent)
+            old = tempfile.mkdtemp(prefix=f".{base}{TEMPORARY_TAGS[1]}", dir=parent)
             os.replace(out_dir, os.path.join(old, "x"))
             os.replace(tmp, out_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -213,17 +255,60 @@ def _file_hash(path: str, size: int, stamp: tuple, sample: int | None) -> str:
     return digest.hexdigest()
 
 
+SAFE_WEIGHTS, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_WEIGHTS, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+def loaded_weight_files(folder: str) -> list:
+    """The weight files of a local model folder that loading it reads, by transformers' rule (the first of
+    ``model.safetensors``, ``model.safetensors.index.json``'s shards, ``pytorch_model.bin``,
+    ``pytorch_model.bin.index.json``'s shards; the reward model's loader, :mod:`utils.model.critic`, reads the
+    first and third too): names relative to ``folder``, the index itself included. Other files beside them (a
+    user's ``backup_of_old_model.bin``) are never read, so never checked. Empty when there is none."""
+    if not os.path.isdir(folder):
+        return []
+    for name in (SAFE_WEIGHTS, SAFE_INDEX, BIN_WEIGHTS, BIN_INDEX):
+        if not os.path.isfile(os.path.join(folder, name)):
+            continue
+        if not name.endswith(".index.json"):
+            return [name]
+        try:
+            with open(os.path.join(folder, name)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserInputError(f"{folder}: {name} cannot be read as a sharded weights index ({e}); copy or save "
+                                 "the model again") from None
+        return [name] + [s for s in shards if isinstance(s, str)]
+    return []
+
+
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")
 
 
+# ``.txt`` files a tokenizer reads; any other ``.txt`` in a model folder (a user's notes) is not part of the model
+TOKENIZER_TEXT_FILES = ("vocab.txt", "merges.txt")
+
+
 def model_fingerprint(name_or_path: str) -> str:
-    """What identifies a model for resuming: a local folder by its files' content (weights sampled,
-    :func:`content_hash`; hidden files such as a run's manifest are bookkeeping, not the model), anything else (a
-    hub name) by its name."""
+    """What identifies a model for resuming: a local folder by the content of the files loading it reads (weights
+    sampled, :func:`content_hash`; only the weights files the loader picks, :func:`loaded_weight_files`:
+    a user's ``backup_of_old_model.bin`` or ``notes.txt`` beside them is not the model, and hidden files such as a
+    run's manifest are bookkeeping), anything else (a hub name) by its name."""
     if not os.path.isdir(name_or_path):
         return f"name:{name_or_path}"
+    try:
+        weights = set(loaded_weight_files(name_or_path))
+    except UserInputError:  # an unreadable index: its bytes identify it
+        weights = None
+
+    def part_of_the_model(name: str) -> bool:
+        if name.endswith((".safetensors", ".bin", ".index.json")) and weights is not None:
+            return name in weights
+        return not name.endswith(".txt") or name in TOKENIZER_TEXT_FILES
+
     parts = [f"{name}:{content_hash(os.path.join(name_or_path, name), sample=1 << 20)}"
              for name in sorted(os.listdir(name_or_path))
              if name.endswith(MODEL_FILE_SUFFIXES) and name not in ("metrics.jsonl", "training_format.json")
-             and not name.startswith(".") and os.path.isfile(os.path.join(name_or_path, name))]
+             and not name.startswith(".") and os.path.isfile(os.path.join(name_or_path, name))
+             and part_of_the_model(name)]
     return ";".join(parts)

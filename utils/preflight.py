@@ -18,6 +18,7 @@ import tempfile
 from typing import Mapping, Optional
 
 from utils.errors import UserInputError
+from utils.files import loaded_weight_files
 from utils.run_folder import RunFolder
 
 
@@ -69,24 +70,21 @@ def check_causal_lm_path(flag: str, name_or_path: str) -> str:
 
 
 def weight_names(folder: str) -> set:
-    """The tensor names in a local folder's first weights file (safetensors header, or a ``.bin``'s pickle with
-    its tensors memory-mapped, not read); empty for a hub name or a folder without weights."""
-    if not os.path.isdir(folder):
+    """The tensor names in the first weights file a local folder's loader reads (:func:`loaded_weight_files`;
+    safetensors header, or a ``.bin``'s pickle with its tensors memory-mapped, not read); empty for a hub name or
+    a folder without weights."""
+    files = [n for n in loaded_weight_files(folder) if not n.endswith(".index.json")]
+    if not files or not os.path.isfile(os.path.join(folder, files[0])):
         return set()
-    names = sorted(os.listdir(folder))
-    for name in names:
-        if name.endswith(".safetensors"):
-            from safetensors import safe_open
+    if files[0].endswith(".safetensors"):
+        from safetensors import safe_open
 
-            with safe_open(os.path.join(folder, name), framework="pt") as f:
-                return set(f.keys())
-    for name in names:
-        if name.endswith(".bin"):
-            import torch
+        with safe_open(os.path.join(folder, files[0]), framework="pt") as f:
+            return set(f.keys())
+    import torch
 
-            state = torch.load(os.path.join(folder, name), weights_only=True, mmap=True, map_location="cpu")
-            return set(state) if isinstance(state, dict) else set()
-    return set()
+    state = torch.load(os.path.join(folder, files[0]), weights_only=True, mmap=True, map_location="cpu")
+    return set(state) if isinstance(state, dict) else set()
 
 
 def check_chat_template(flag: str, name_or_path: str, trust_remote_code: bool = False) -> None:
@@ -124,7 +122,7 @@ def check_model_folder(flag: str, folder: str) -> None:
                                  f"transformers {__version__} does not know (a newer transformers, or a folder with "
                                  "its own code and --trust_remote_code, may)")
     names = os.listdir(folder)
-    if not any(n.endswith((".safetensors", ".bin")) or n.endswith(".index.json") for n in names):
+    if not loaded_weight_files(folder):
         raise UserInputError(f"{flag} {folder}: no weights in it (model.safetensors, pytorch_model.bin or a "
                              "sharded index); copy them beside its config.json")
     if not any(n in TOKENIZER_FILES for n in names):
@@ -149,7 +147,9 @@ def check_bin_weights(flag: str, folder: str, name: str) -> None:
 
 
 def check_weights_readable(flag: str, folder: str) -> None:
-    """Every ``*.safetensors`` file of a local model folder has a complete header that covers the file.
+    """Every weights file that loading the folder reads (:func:`loaded_weight_files`, not any other file beside
+    them: a user's ``backup_of_old_model.bin`` is never read) is there and readable: a ``*.safetensors`` file has a
+    complete header that covers the file, a ``*.bin`` imports nothing but tensors (:func:`check_bin_weights`).
 
     A truncated copy (an interrupted download or ``cp``) otherwise fails deep inside
     ``from_pretrained`` with a SafetensorError traceback. Reads headers only.
@@ -158,12 +158,17 @@ def check_weights_readable(flag: str, folder: str) -> None:
         return
     from safetensors import safe_open
 
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".bin") and os.path.isfile(os.path.join(folder, name)):
+    for name in loaded_weight_files(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".index.json"):
+            continue
+        if not os.path.isfile(path):
+            raise UserInputError(f"{flag} {folder}: {name}, a shard its weights index names, is missing; copy or "
+                                 "save the model again")
+        if name.endswith(".bin"):
             check_bin_weights(flag, folder, name)
         if not name.endswith(".safetensors"):
             continue
-        path = os.path.join(folder, name)
         try:
             with safe_open(path, framework="pt"):
                 pass

@@ -17,11 +17,14 @@ Layout of ``--output_dir PARENT/NAME``::
                                    because saving a model replaces the folder)
     PARENT/.NAME.replaced/         --overwrite: the earlier run's entries, until the new run's first training
                                    step or good end (then deleted) or its failure (then put back)
+    NAME/.NAME.replaced/           the same, for a folder that is its own file system (a mount point: nothing
+                                   can be renamed beside it); a symlinked NAME: all of this beside its target
     PARENT/.NAME.tmp-* .NAME.old-* a save in progress (:func:`utils.files.atomic_directory`), or what a kill left
     PARENT/.NAME.training.log      train.py's log of a step on a folder that already holds an earlier run's
                                    entries, until the step takes the folder (it then becomes NAME/training.log)
 
-What is "ours": the entries the manifest lists (each run adds what it writes: new entries, and entries a save
+What is "ours": the entries the manifest lists (and, inside a listed folder such as ``actor/`` or ``checkpoints/``,
+the files its ``files`` lists: a user's ``actor/my_notes.txt`` stays where it is through ``--overwrite``) (each run adds what it writes: new entries, and entries a save
 replaced). A folder without a manifest (written by an older version of this project, or by no run at all) has
 only :data:`LEGACY_ENTRIES` (exact names: the files a run used to write) as ours, and ``--overwrite`` on it is
 refused, nothing touched, while it also holds anything else. Entries that are not ours (a user's
@@ -56,7 +59,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from utils import fault_injection
 from utils.errors import RunInterrupted, UserInputError
-from utils.files import TEMPORARY_TAGS, atomic_write_text
+from utils.files import TEMPORARY_TAGS, atomic_write_text, renames_into
 
 MANIFEST = ".dschat-run.json"
 MANIFEST_FORMAT = "dschat-run"
@@ -94,12 +97,68 @@ def _stamps(folder: str) -> Dict[str, Stamp]:
     return found
 
 
+def _tree(folder: str) -> Dict[str, Stamp]:
+    """``{relative path: stamp}`` of every file (and symlink) under ``folder``, not following symlinks."""
+    found = {}
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            found[os.path.relpath(path, folder)] = (st.st_dev, st.st_ino)
+    return found
+
+
 def _remove(path: str) -> None:
     """Delete a folder (its tree, not a symlink's target) or a file."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+def _move_listed(source: str, dest: str, listed: set) -> List[str]:
+    """Move folder ``source`` to ``dest``, but for what ``listed`` (paths relative to ``source``: the files a run
+    wrote there) does not name: a user's files stay where they are, with the folders that hold them. Returns the
+    files left (relative paths)."""
+    users = sorted(rel for rel in _tree(source) if rel not in listed)
+    if not users:
+        os.replace(source, dest)
+        return []
+    holding = set()  # the folders that hold a user's file
+    for rel in users:
+        rel = os.path.dirname(rel)
+        while rel:
+            holding.add(rel)
+            rel = os.path.dirname(rel)
+
+    def move(rel_dir: str) -> None:
+        os.makedirs(os.path.join(dest, rel_dir), exist_ok=True)
+        for name in sorted(os.listdir(os.path.join(source, rel_dir))):
+            rel = os.path.join(rel_dir, name) if rel_dir else name
+            if rel in holding:
+                move(rel)
+            elif rel not in users:
+                os.replace(os.path.join(source, rel), os.path.join(dest, rel))
+
+    move("")
+    return users
+
+
+def _merge_back(source: str, dest: str) -> None:
+    """Move every entry of ``source`` into ``dest``: a folder into a folder of the same name entry by entry (it
+    still holds what was left in place: a user's files), anything else replacing what has its name."""
+    for name in sorted(os.listdir(source)):
+        src, dst = os.path.join(source, name), os.path.join(dest, name)
+        if os.path.isdir(src) and not os.path.islink(src) and os.path.isdir(dst) and not os.path.islink(dst):
+            _merge_back(src, dst)
+            os.rmdir(src)
+            continue
+        if os.path.lexists(dst):
+            _remove(dst)
+        os.replace(src, dst)
 
 
 def has_weights(folder: str) -> bool:
@@ -129,15 +188,49 @@ class RunFolder:
         self._deleted: List[str] = []  # entries of the earlier run this run deleted (--overwrite, after step 1)
         self._stepped = False  # an optimizer step happened in this process
         self._named: set = set()  # entries this run's writers named (besides RUN_ENTRIES)
+        self._files: Dict[str, set] = {}  # files this run wrote inside its folder entries: {entry: {relative path}}
+        self._sealed_answer: Optional[bool] = None
 
     # ------------------------------------------------------------------ layout
 
     def _beside(self, suffix: str) -> str:
-        return os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}{suffix}")
+        """``PARENT/.NAME{suffix}`` beside the folder (beside a symlink's target: where the entries really are)."""
+        real = os.path.realpath(self.path)
+        return os.path.join(os.path.dirname(real), f".{os.path.basename(real)}{suffix}")
+
+    def _within(self, suffix: str) -> str:
+        """``NAME/.NAME{suffix}``: bookkeeping inside the folder, for a folder that is its own file system."""
+        real = os.path.realpath(self.path)
+        return os.path.join(real, f".{os.path.basename(real)}{suffix}")
+
+    def _sealed(self) -> bool:
+        """The folder's entries cannot be renamed beside it (a mount point: a dedicated volume, a bind mount):
+        what ``--overwrite`` sets aside then stays inside it (:meth:`_aside_home`)."""
+        if getattr(self, "_sealed_answer", None) is None:
+            real = os.path.realpath(self.path)
+            self._sealed_answer = os.path.isdir(real) and not renames_into(real, os.path.dirname(real))
+        return self._sealed_answer
+
+    def _aside_home(self, suffix: str) -> str:
+        """Where a set-aside run (``suffix`` .replaced, or its doomed name) lives: beside the folder, or inside it
+        when it is its own file system; an existing one is found where it is."""
+        beside, within = self._beside(suffix), self._within(suffix)
+        if os.path.lexists(within):
+            return within
+        if os.path.lexists(beside):
+            return beside
+        return within if self._sealed() else beside
+
+    def _bookkeeping(self, name: str) -> bool:
+        """An entry of the folder that is this module's (the manifest and its temporary, a set-aside run inside a
+        folder that is its own file system, a save's temporaries), never a run's entry nor a user's."""
+        base = f".{os.path.basename(os.path.realpath(self.path))}"
+        return name in (MANIFEST, MANIFEST + ".tmp") or name.startswith(base) and (
+            name[len(base):] == ".replaced" or any(tag in name[len(base):] for tag in TEMPORARY_TAGS))
 
     @property
     def aside_path(self) -> str:
-        return self._beside(".replaced")
+        return self._aside_home(".replaced")
 
     @property
     def lock_path(self) -> str:
@@ -183,7 +276,8 @@ class RunFolder:
 
     def ours(self) -> Tuple[List[str], List[str]]:
         """``(ours, others)``: the folder's entries a run of this project wrote, and the rest (never touched)."""
-        names = sorted(n for n in os.listdir(self.path) if n != MANIFEST) if os.path.isdir(self.path) else []
+        names = sorted(n for n in os.listdir(self.path) if not self._bookkeeping(n)) if os.path.isdir(self.path) \
+            else []
         data = self.manifest()
         if data is not None:
             listed = set(data["entries"])
@@ -240,7 +334,8 @@ class RunFolder:
         """Remove what saves killed mid-way left (:func:`~utils.files.atomic_directory`'s temporaries beside the
         folder and, for step 3's sub-folders, inside it; a half-deleted set-aside run); returns the paths.
         Call only while holding the lock: then no other run can be writing them."""
-        parent, base = os.path.dirname(self.path), os.path.basename(self.path)
+        real = os.path.realpath(self.path)
+        parent, base = os.path.dirname(real), os.path.basename(real)
         found = [os.path.join(parent, n) for n in os.listdir(parent)
                  if any(n.startswith(f".{base}{tag}") for tag in TEMPORARY_TAGS)] if os.path.isdir(parent) else []
         if os.path.isdir(self.path):
@@ -265,13 +360,10 @@ class RunFolder:
     def _put_back(self) -> List[str]:
         """Move every entry of the set-aside folder back (replacing an entry of the same name); remove it."""
         os.makedirs(self.path, exist_ok=True)
-        moved = sorted(os.listdir(self.aside_path))
-        for name in moved:
-            dest = os.path.join(self.path, name)
-            if os.path.lexists(dest):
-                _remove(dest)
-            os.replace(os.path.join(self.aside_path, name), dest)
-        os.rmdir(self.aside_path)
+        aside = self.aside_path
+        moved = sorted(os.listdir(aside))
+        _merge_back(aside, self.path)
+        os.rmdir(aside)
         return [n for n in moved if n != MANIFEST]
 
     # ------------------------------------------------------------------ taking the folder
@@ -322,12 +414,19 @@ class RunFolder:
         moving, others = self.movable(), self.ours()[1]
         if not moving:
             return
+        listed = (self.manifest() or {}).get("files") or {}
+        aside = self.aside_path
         try:
-            os.makedirs(self.aside_path)
+            os.makedirs(aside)
             # the manifest first: a kill half-way leaves a folder whose manifest (if any) is the new run's
             for name in ([MANIFEST] if os.path.exists(self.manifest_path) else []) + moving:
-                os.replace(os.path.join(self.path, name), os.path.join(self.aside_path, name))
                 self._aside.append(name)
+                source = os.path.join(self.path, name)
+                if name in listed and os.path.isdir(source) and not os.path.islink(source):
+                    others += [os.path.join(name, rel) for rel in _move_listed(source, os.path.join(aside, name),
+                                                                               set(listed[name]))]
+                else:
+                    os.replace(source, os.path.join(aside, name))
         except OSError as e:
             raise UserInputError(f"--overwrite: cannot move the earlier run's files aside in {self.path} "
                                  f"({e.strerror or e}); nothing was deleted") from None
@@ -369,16 +468,30 @@ class RunFolder:
         final saves), when new since it took the folder or replaced (a save renames a new entry into place). A file
         a user drops into the folder while the run goes on, or edits in place, stays theirs."""
         return sorted(n for n, stamp in _stamps(self.path).items()
-                      if n != MANIFEST and (n in RUN_ENTRIES or n in self._named)
-                      and (self._at_claim or {}).get(n) != stamp)
+                      if not self._bookkeeping(n) and (n in RUN_ENTRIES or n in self._named)
+                      and ((self._at_claim or {}).get(n) != stamp or n in self._files))
+
+    def _note_files(self, entry: str, rels: Iterable[str]) -> None:
+        """This run wrote ``rels`` (relative to the folder's ``entry``), which is the run's."""
+        self._named.add(entry)
+        self._files.setdefault(entry, set()).update(rels)
+
+    def _listing(self) -> Dict[str, List[str]]:
+        """The manifest's files inside its entries, with this run's, less those gone (rotated checkpoints)."""
+        listing = {name: set(rels) for name, rels in ((self.manifest() or {}).get("files") or {}).items()}
+        for name, rels in self._files.items():
+            listing.setdefault(name, set()).update(rels)
+        return {name: sorted(rel for rel in rels if os.path.lexists(os.path.join(self.path, name, rel)))
+                for name, rels in sorted(listing.items())}
 
     def record(self, *names: str) -> None:
         """Add what this run wrote (and ``names``) to the manifest; writes only when something is new."""
         if not (self.owner and self._claimed):
             return
         entries = set(self._entries()) | set(self.written()) | set(names)
-        if entries != set(self._entries()):
-            self._write_manifest(entries)
+        listing = self._listing()
+        if entries != set(self._entries()) or listing != ((self.manifest() or {}).get("files") or {}):
+            self._write_manifest(entries, files=listing)
 
     def step_done(self, step: int) -> None:
         """Optimizer step ``step`` is done: the run has proved it can run, so what ``--overwrite`` set aside is
@@ -387,9 +500,19 @@ class RunFolder:
         self.commit()
         self.record()
 
-    def checkpoint_saved(self, step: int, root: str) -> None:
+    def checkpoint_saved(self, step: int, root: str, *written: str) -> None:
+        """Checkpoint ``step`` was saved under ``root``; ``written``: the files and folders that save wrote (every
+        file under them is the run's; a user's file elsewhere in ``root`` stays theirs)."""
         self.checkpoint, self.checkpoints = step, root
         self.will_write(root)
+        if self.owner and self.path:
+            for path in written:
+                rel = os.path.relpath(os.path.abspath(path), self.path)
+                if rel == os.curdir or rel.split(os.sep)[0] == os.pardir or os.sep not in rel:
+                    continue
+                entry, inner = rel.split(os.sep, 1)
+                files = [os.path.join(inner, r) for r in _tree(path)] if os.path.isdir(path) else [inner]
+                self._note_files(entry, files)
         self.record()
 
     def resumed(self, step: int, root: str) -> None:
@@ -401,9 +524,11 @@ class RunFolder:
         first, so a kill while deleting never lets a half-deleted earlier run be put back."""
         if not self._aside:
             return
-        doomed = self._beside(f"{TEMPORARY_TAGS[1]}replaced")
+        aside = self.aside_path
+        real = os.path.realpath(self.path)
+        doomed = os.path.join(os.path.dirname(aside), f".{os.path.basename(real)}{TEMPORARY_TAGS[1]}replaced")
         shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(self.aside_path, doomed)
+        os.replace(aside, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         self._deleted, self._aside = [n for n in self._aside if n != MANIFEST], []
         self.log(f"--overwrite: deleted the earlier run's files ({', '.join(self._deleted)})")
@@ -445,10 +570,21 @@ class RunFolder:
         marks = (None, MODEL_SUBFOLDER)
         ordered = [s for s in saves if s[0] not in marks] + [s for s in saves if s[0] in marks]
         for count, (name, save) in enumerate(ordered, start=1):
+            target = os.path.join(self.path, name) if name else self.path
             before = _stamps(self.path) if self.owner else {}
-            save(os.path.join(self.path, name) if name else self.path)
+            inner = set(_tree(target).values()) if self.owner and name else set()
+            save(target)
             if self.owner:  # what this save made or replaced (a save of the folder moves the other entries across)
-                self._named.update(n for n, stamp in _stamps(self.path).items() if before.get(n) != stamp)
+                changed = [n for n, stamp in _stamps(self.path).items()
+                           if before.get(n) != stamp and not self._bookkeeping(n)]
+                self._named.update(changed)
+                if name:  # the files inside it this save wrote: not those it kept (a user's notes)
+                    self._note_files(name.split(os.sep)[0], [rel for rel, stamp in _tree(target).items()
+                                                            if stamp not in inner])
+                for entry in changed:
+                    path = os.path.join(self.path, entry)
+                    if entry != name and os.path.isdir(path) and not os.path.islink(path):
+                        self._note_files(entry, _tree(path))
             self.record()
             fault_injection.save_point(count)  # test hook: a kill between saves must leave a folder that resumes
         if self.owner and self._claimed:
@@ -515,7 +651,7 @@ class RunFolder:
         inside = os.path.join(self.path, RUN_LOG)
         took = ended_well or self.run_id() != earlier_run
         if log_path != inside and took and os.path.isdir(self.path):
-            os.replace(log_path, inside)
+            shutil.move(log_path, inside)  # a folder that is its own file system: copied across
             log_path = inside
         if log_path == inside and self.manifest() is not None and RUN_LOG not in self._entries():
             self._write_manifest(self._entries() + [RUN_LOG])
