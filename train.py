@@ -529,6 +529,7 @@ def check_step_flags(args, plan: list) -> None:
     import importlib
     import io
 
+    from utils.data.raw_datasets import from_hub
     from utils.reward_functions import load_reward_fn
 
     for launch in plan:
@@ -560,6 +561,15 @@ def check_step_flags(args, plan: list) -> None:
             except UserInputError as e:
                 raise PlanError(f"step {launch.step.number} ({launch.step.title}) would refuse its flags: {e} "
                                 f"(check {which}); nothing was run") from None
+        # and its data, where it can be read without a model (the rows a built-in reward or labelling function reads);
+        # data from the hub are left to the steps (step 1 fetches them first)
+        if hasattr(step_module, "check_data") and not launch.size_script \
+                and not any(from_hub(name) for name in getattr(parsed, "data_path", [])):
+            try:
+                step_module.check_data(parsed)
+            except UserInputError as e:
+                raise PlanError(f"step {launch.step.number} ({launch.step.title}) would refuse its data: {e} "
+                                f"(check {which} and its --data_path); nothing was run") from None
 
 
 # --------------------------------------------------------------------------- running

@@ -90,7 +90,7 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
     from tqdm import tqdm
 
     from utils.data.chat_template import chat_format
-    from utils.model.answers import generate_answers
+    from utils.answers import generate_answers
 
     prompts = [p for p, _ in prompts_rows]
     K = args.num_answers
@@ -114,7 +114,7 @@ def check_answers_fit(args, prompts: list) -> None:
     """The longest prompt (in the chat template with ``--apply_chat_template``) and ``--max_new_tokens`` fit the
     actor's positions: refused with the numbers before the model loads or the folder is touched."""
     from utils.data.chat_template import chat_format
-    from utils.model.answers import check_room
+    from utils.answers import check_room
     from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
     from utils.preflight import model_positions
 
@@ -127,12 +127,10 @@ def check_answers_fit(args, prompts: list) -> None:
                chat_format(tokenizer) if args.apply_chat_template else None, prompts, args.max_new_tokens)
 
 
-def main(args):
-    # ---- fail fast: flags, the actor, the output folder, the labelling function and the data
-    validate(args)
-    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
-    check_output_dir_writable(args.output_dir)
-    label_fn = load_reward_fn(args.label_fn, flag="--label_fn")
+def check_data(args) -> dict:
+    """``{"train": [(prompt, row)], "eval": [...]}``: the prompts the collector answers, each split cut to its limit;
+    refused when the train split has none or a built-in ``--label_fn`` lacks the columns it reads. Needs no model, so
+    train.py runs it before step 1."""
     from utils.data.data_utils import phase_prompts
 
     data = phase_prompts(args.data_path, args.data_split, args.data_output_path, args.phase, args.seed)
@@ -143,6 +141,16 @@ def main(args):
                              f"the train split (--data_split {args.data_split})")
     for split, rows in data.items():
         check_rows(args.label_fn, [p for p, _ in rows], [r for _, r in rows], flag="--label_fn")
+    return data
+
+
+def main(args):
+    # ---- fail fast: flags, the actor, the output folder, the labelling function and the data
+    validate(args)
+    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
+    check_output_dir_writable(args.output_dir)
+    label_fn = load_reward_fn(args.label_fn, flag="--label_fn")
+    data = check_data(args)
     check_answers_fit(args, [p for rows in data.values() for p, _ in rows])
     folder = RunFolder(args.output_dir).claim(args.overwrite)  # last: nothing is moved when a check fails
     with folder:
@@ -154,7 +162,7 @@ def run(args, folder, data: dict, label_fn) -> dict:
     # ---- the actor
     import torch
 
-    from utils.model.answers import load_for_answers
+    from utils.answers import load_for_answers
     from utils.model.model_utils import resolve_model_name_or_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -38,7 +38,7 @@ from step3_rlhf_finetuning.algorithms import (ESTIMATOR_ALIASES, ESTIMATORS, LOS
                                               default_help, estimator_spec)
 from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, DYNAMIC_SAMPLING_BATCHES, GenerationConfig, PPOConfig,
                                           RewardConfig, Step3Config, field_defaults)
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, cut_batches,
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, WholeSteps, cut_batches,
                                                old_logprobs_from_training_pass, reward_ema, summarize_rollout)
 from step3_rlhf_finetuning.rlhf_engine import DeepSpeedRLHFEngine
 from utils.arguments import (HelpFormatter, add_checkpoint_args, add_data_args, add_deepspeed_args, add_logging_args,
@@ -50,7 +50,7 @@ from utils.compat import check_zero_combination
 from utils.data.chat_template import training_format_file
 from utils.data.data_utils import DataCollatorRLHF, create_prompt_dataset
 from utils.data.unsupervised import get_unsupervised_data
-from utils.distributed import get_all_reduce_mean, get_world_size
+from utils.distributed import gather_per_rank, get_all_reduce_mean, get_rank, get_world_size
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.finite import check_finite, check_weights_finite
@@ -391,6 +391,22 @@ def validate_flags(args) -> None:
     check_zero_combination(args)
 
 
+def check_data(args) -> None:
+    """What step 3 would refuse about its data, checked on the untokenised phase-3 rows (no model needed, so
+    train.py runs it before step 1): a built-in ``--reward_fn`` whose columns the rows lack, and fewer phase-3 rows in
+    all than one round's prompts on one rank (the length filter only removes more)."""
+    from utils.data.data_utils import phase_prompts
+
+    rows = phase_prompts(args.data_path, args.data_split, args.data_output_path, 3, args.seed)["train"]
+    if args.reward_fn:
+        check_rows(args.reward_fn, [p for p, _ in rows], [r for _, r in rows])
+    needed = args.per_device_generation_batch_size * args.generation_batches
+    if len(rows) < needed:
+        raise UserInputError(f"--data_path {' '.join(args.data_path)}: {len(rows)} phase-3 prompt(s) (--data_split "
+                             f"{args.data_split}), fewer than one round's --per_device_generation_batch_size "
+                             f"{args.per_device_generation_batch_size} × --generation_batches {args.generation_batches}")
+
+
 def micro_batches_per_round(args) -> int:
     """Micro-batches of the RL update in one round, on each rank."""
     answers = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
@@ -441,20 +457,37 @@ def parameter_checksum(engine, zero_stage: int) -> float | None:
     total = torch.zeros((), dtype=torch.float64)
     for p in engine.module.parameters():
         data = p.ds_tensor if zero_stage == 3 and hasattr(p, "ds_tensor") else p
-        data = data.detach().double().cpu()
-        total += data.abs().sum() + data.pow(2).sum()
+        data = data.detach().double()  # summed where it lives: a scalar crosses to the host, not the weights
+        total += (data.abs().sum() + data.pow(2).sum()).cpu()
     if zero_stage == 3 and torch.distributed.is_initialized():
         total = total.to(next(engine.module.parameters()).device)
         torch.distributed.all_reduce(total)
     return float(total)
 
 
+def unchanged_actor_reason(history: list, ppo: PPOConfig, max_answer_seq_len: int, critic: bool,
+                           optimizer_steps: int, warmup_steps: int) -> str:
+    """Why RL steps left the actor's weights as they were, from the steps' metrics (``history``) and the run's
+    optimizer steps and ``--num_warmup_steps``, for the error."""
+    if optimizer_steps == 1 and warmup_steps > 0:  # the schedule's first value is the warm-up's 0
+        return (f"its one optimizer step ran at learning rate 0, the start of the --num_warmup_steps {warmup_steps} "
+                "warm-up; use --num_warmup_steps 0 or more steps")
+    if ppo.mask_truncated_answers and history and all(m.get("truncated", 0.0) >= 1.0 for m in history):
+        return (f"every answer was cut at --max_answer_seq_len {max_answer_seq_len} and --mask_truncated_answers "
+                "leaves those out of every loss; raise --max_answer_seq_len or drop --mask_truncated_answers")
+    if not critic:
+        return ("every advantage was 0: the answers to each prompt all scored the same; use a reward that tells them "
+                "apart, more --n_samples_per_prompt, or --dynamic_sampling")
+    return "no update moved a weight (a learning rate too small for the weights' precision?)"
+
+
 def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch: int, ppo_epochs: int,
-             per_step: int) -> dict:
+             steps: WholeSteps) -> dict:
     """``ppo_epochs`` passes over the round's micro-batches (actor, critic for gae; + LM loss on the text, + EMA),
-    reshuffled after each pass, as DeepSpeed-Chat; each micro-batch's actor loss is normalised over its optimizer step
-    of ``per_step`` micro-batches (``--loss_agg``, :meth:`DeepSpeedPPOTrainer.loss_normalizers`). Returns the mean of
-    each loss and the rows each model trained on (this rank)."""
+    reshuffled after each pass, as DeepSpeed-Chat; trained in whole optimizer steps (``steps``: micro-batches that do
+    not fill one wait for the next round), each micro-batch's actor loss normalised over its optimizer step
+    (``--loss_agg``, :meth:`DeepSpeedPPOTrainer.loss_normalizers`). Returns the mean of each loss over the micro-batches
+    trained now (none when all wait) and the rows each model trained on (this rank)."""
     micro = rollout.micro_batches(micro_batch)
     unsup = cut_batches(unsup_batches, micro_batch) if unsup_batches else [None] * len(micro)
     schedule = []  # (micro-batch, text) in training order
@@ -462,7 +495,8 @@ def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch:
         schedule += list(zip(micro, unsup))
         random.shuffle(micro)
         random.shuffle(unsup)
-    normalizers = trainer.loss_normalizers([batch for batch, _ in schedule], per_step)
+    schedule = steps.take(schedule)
+    normalizers = trainer.loss_normalizers([batch for batch, _ in schedule], steps.per_step)
     sums, rows = {}, {"actor_rows": 0, "critic_rows": 0}
     for (batch, text), normalizer in zip(schedule, normalizers):
         losses = trainer.train_step(batch, normalizer)
@@ -474,7 +508,7 @@ def optimise(trainer, rollout: Rollout, unsup_batches: list | None, micro_batch:
         for name, value in losses.items():
             sums[name] = sums.get(name, 0.0) + value.item()
         trainer.update_ema()
-    return {**{name: total / len(schedule) for name, total in sums.items()}, **rows}
+    return {**{name: total / len(schedule) for name, total in sums.items()}, **rows, "waiting": len(steps.waiting)}
 
 
 def all_reduce_metrics(rollout: Rollout, losses: dict) -> dict:
@@ -524,7 +558,11 @@ def algorithm_line(ppo: PPOConfig) -> str:
 
 def step_line(epoch: int, step: int, metrics: dict) -> str:
     """The step's log line (DeepSpeed-Chat's, with the losses this run has)."""
-    parts = [f"Epoch: {epoch}", f"Step: {step}", f"Actor Loss: {metrics['actor_loss']:.4f}"]
+    parts = [f"Epoch: {epoch}", f"Step: {step}"]
+    if "actor_loss" in metrics:
+        parts.append(f"Actor Loss: {metrics['actor_loss']:.4f}")
+    else:  # every micro-batch of the round waits for the next round's (WholeSteps)
+        parts.append("Actor Loss: - (the round's micro-batches wait for the optimizer step's others)")
     for key, label in (("critic_loss", "Critic Loss"), ("kl_loss", "KL Loss"), ("unsup_loss", "Unsupervised Loss")):
         if key in metrics:
             parts.append(f"{label}: {metrics[key]:.4f}")
@@ -676,10 +714,12 @@ def run(args, folder):
     if note := schedule_note(args.lr_scheduler_type, args.num_warmup_steps, total_iters):
         log.warning(note)
     engine = DeepSpeedRLHFEngine(config.engine, tokenizer, num_total_iters=total_iters)
-    on_policy = old_logprobs_from_training_pass(config.ppo, micro_batches_per_round(args), config.engine.actor.grad_accum,
-                                                has_dropout(engine.actor.module))
+    # the RL micro-batches per optimizer step (the actor's engine counts twice as many with mixing: + the LM's)
+    on_policy = old_logprobs_from_training_pass(config.ppo, micro_batches_per_round(args),
+                                                args.gradient_accumulation_steps, has_dropout(engine.actor.module))
     trainer = DeepSpeedPPOTrainer(engine, config.ppo, config.generation, log.info, config.reward, reward_fn, on_policy)
     ref_checksum = parameter_checksum(engine.ref, config.engine.actor.zero_stage)
+    input_checksum = parameter_checksum(engine.actor, config.engine.actor.zero_stage)  # the input model's, as built
     context = {"args": args, "engine": engine, "rl_steps": rl_steps,
                "perf_constants": throughput_constants(config.engine, engine, config.generation.dtype)}
 
@@ -691,7 +731,11 @@ def run(args, folder):
     engines = {name: model for name, model in (("actor", engine.actor), ("critic", engine.critic)) if model}
     if engine.actor_ema is not None:
         engines["actor_ema"] = ModuleState(engine.actor_ema)
-    progress = Progress.from_checkpoint(ckpt.resume(engines))
+    saved = ckpt.resume(engines)
+    progress = Progress.from_checkpoint(saved)
+    # micro-batches waiting for the rest of their optimizer step (a step that spans rounds), saved with the checkpoint
+    waiting = (saved or {}).get("waiting")  # one list per rank
+    steps = WholeSteps.from_state(args.gradient_accumulation_steps, waiting[get_rank()] if waiting else None, device)
 
     # ---- train: generate -> score -> collect a round -> advantages -> optimise
     ppo = config.ppo
@@ -724,15 +768,24 @@ def run(args, folder):
             trainer.compute_advantages(rollout)  # on the whole round: every group (and REINFORCE++'s batch) intact
             progress.rl_step += 1
             train_start = time.time()
-            losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs,
-                              args.gradient_accumulation_steps)
+            losses = optimise(trainer, rollout, texts, args.per_device_training_batch_size, ppo.ppo_epochs, steps)
             report_step(log, progress, rollout, losses, time.time() - train_start, context)
-            ckpt.step_done(progress.rl_step, engines, lambda: asdict(progress))
+            ckpt.step_done(progress.rl_step, engines,
+                           lambda: dict(asdict(progress), waiting=gather_per_rank(steps.state())))
+    if steps.waiting:
+        log.info(f"{len(steps.waiting)} micro-batch(es) of the last round(s) make no whole optimizer step of "
+                 f"--gradient_accumulation_steps {args.gradient_accumulation_steps} and were not trained (DeepSpeed "
+                 "steps no unfinished accumulation)")
 
     # ---- summary and save (not when no RL step ran: the models would be their inputs)
     check_steps_ran("RL step", progress.rl_step, rl_steps, [engine.actor, engine.critic],
                     why=f"{progress.dropped_total} answers had ≤ 1 token and were dropped"
                     + (", and --dynamic_sampling found no group with different scores" if ppo.dynamic_sampling else ""))
+    if parameter_checksum(engine.actor, config.engine.actor.zero_stage) == input_checksum:  # rule: no empty success
+        raise UserInputError(f"{progress.rl_step} RL step(s) ran but the actor is the input model, weight for weight ("
+                             + unchanged_actor_reason(progress.history, ppo, args.max_answer_seq_len,
+                                                      engine.critic is not None, total_iters, args.num_warmup_steps)
+                             + "); nothing is saved")
     ref_unchanged = None if engine.ref is None else \
         parameter_checksum(engine.ref, config.engine.actor.zero_stage) == ref_checksum
     result = summarize_run(log, progress, ref_unchanged)

@@ -126,8 +126,11 @@ def test_no_kl_term_builds_no_reference_model(tmp_path):
     """GRPO with --reward_fn ifeval on IFEval-format rows and --kl_ctl 0 (TRL's default β): no reference model is
     built (said once), no KL is logged, the old log-probs come from the training pass (one optimizer step a round),
     and the rows' instructions reach the reward (a compliance share in [0, 1])."""
-    rows = [{"prompt": f"Describe the colour of thing number {i}.", "instruction_id_list": ["punctuation:no_comma"],
-             "kwargs": [{}]} for i in range(12)]
+    # two instructions, so that some group's answers score differently (with no_comma alone every random answer
+    # complied: every advantage 0, a run that changed nothing, which step 3 now refuses)
+    rows = [{"prompt": f"Describe the colour of thing number {i}.",
+             "instruction_id_list": ["punctuation:no_comma", "change_case:english_lowercase"], "kwargs": [{}, {}]}
+            for i in range(12)]
     data = tmp_path / "ifeval.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
@@ -151,16 +154,20 @@ def test_no_kl_term_builds_no_reference_model(tmp_path):
 @pytest.mark.slow
 def test_gsm8k_reward_reads_the_reference_answers_of_real_data(tmp_path):
     """GRPO scored by --reward_fn gsm8k on the real GSM8K test file: the rows' "#### N" answers reach the function
-    (a random actor scores 0, and a reward outside [0, 1] or a missing reference would stop the run)."""
+    (a random actor scores 0, and a reward outside [0, 1] or a missing reference would stop the run with another
+    error). Its one step, at the warm-up's learning rate 0 and with every advantage 0, changes nothing, so nothing
+    is saved (issue 57: exit 2 naming the cause; before, exit 0 and the input model saved)."""
     from tests.conftest import shared_data
 
     data = shared_data("gsm8k", "test.jsonl")
-    proc = _ok(run_entry(
+    proc = (run_entry(
         STEP3, "--data_path", data, "--data_split", "0,0,1", "--data_output_path", tmp_path / "data",
         "--actor_model_name_or_path", "tiny-opt", "--output_dir", tmp_path / "out", "--advantage_estimator", "grpo",
         "--n_samples_per_prompt", 2, "--do_sample", "--reward_fn", "gsm8k", "--max_prompt_seq_len", 128,
         "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 2, "--per_device_training_batch_size", 4,
         "--max_steps", 1, env=OMP))
+    assert proc.returncode == 2 and "1 RL step(s) ran but the actor is the input model" in proc.stderr, proc.stderr
+    assert "learning rate 0, the start of the --num_warmup_steps 100 warm-up" in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in rows if r["phase"] == "train"] == [0.0]
     assert "Running RL (grpo, critic-free, 2 answer(s) per prompt)" in proc.stdout + proc.stderr
@@ -215,12 +222,14 @@ def untrained_reward_model(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
-def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_path):
+def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, step12, tmp_path):
     """Two RL steps per policy loss on tiny-opt, each with another estimator: ppo as DAPO (GRPO, clip-higher,
     token mean, dynamic sampling, truncated answers masked, the overlong penalty), gspo with RLOO (its ε and
-    per-answer aggregation by default), cispo with PPO's critic."""
+    per-answer aggregation by default), cispo with PPO's critic. DAPO's actor is step 1's (some of its answers end
+    before the cap: a random one's are all cut, and masked, and a run that changes nothing is refused)."""
     (tmp_path / "parity.py").write_text(PARITY_REWARD)
-    common = [*DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", "tiny-opt",
+    actor = step12[0] if policy_loss == "ppo" else "tiny-opt"
+    common = [*DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", actor,
               "--output_dir", tmp_path / "out", "--policy_loss", policy_loss, "--max_prompt_seq_len", 16,
               "--max_answer_seq_len", 8, "--per_device_generation_batch_size", 4, "--max_steps", 2, "--do_sample",
               "--actor_learning_rate", 1e-3, "--num_warmup_steps", 0]
@@ -229,7 +238,8 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_pa
                 f"{tmp_path / 'parity.py'}:score", "--cliprange_high", 0.28, "--loss_agg", "token_mean",
                 "--dynamic_sampling", "--dynamic_sampling_max_batches", 3, "--mask_truncated_answers",
                 "--overlong_penalty", 4, "--overlong_penalty_weight", 0.5, "--per_device_training_batch_size", 3],
-        "gspo": ["--advantage_estimator", "rloo", "--n_samples_per_prompt", 2, "--reward_fn", "builtin_rule",
+        "gspo": ["--advantage_estimator", "rloo", "--n_samples_per_prompt", 2, "--reward_fn",
+                 f"{tmp_path / 'parity.py'}:score",
                  "--per_device_training_batch_size", 8],
         "cispo": ["--critic_model_name_or_path", untrained_reward_model, "--critic_learning_rate", 1e-3,
                   "--per_device_training_batch_size", 2, "--gradient_accumulation_steps", 2],
@@ -253,3 +263,50 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, tmp_pa
             assert r["groups_kept"] + r["groups_filtered"] + r["groups_surplus"] == 4 * r["sampled_batches"]
             assert f"groups kept: {r['groups_kept']:.0f} of" in log
     assert (tmp_path / "out" / "critic").is_dir() == (policy_loss == "cispo")
+
+
+CONSTANT_REWARD = "def score(prompts, answers, rows):\n    return [1.0 for a in answers]\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["every_answer_masked", "every_advantage_zero"])
+def test_rl_steps_that_leave_the_actor_as_it_was_save_nothing(case, tmp_path):
+    """Issue 57, rule 2: a run whose RL steps changed nothing does not end as a success. With
+    ``--max_answer_seq_len 2`` every kept answer (≥ 2 tokens) is cut at the cap, and ``--mask_truncated_answers``
+    leaves all of them out of every loss; with a constant reward every GRPO advantage is 0 (and with ``--kl_ctl 0``
+    there is no KL term). Before: exit 0 and an actor bit-identical to its input."""
+    (tmp_path / "constant.py").write_text(CONSTANT_REWARD)
+    flags = {"every_answer_masked": ["--reward_fn", "builtin_rule", "--mask_truncated_answers",
+                                     "--max_answer_seq_len", 2],
+             # no reference model: with dropout on, the KL loss's gradient would move the actor
+             "every_advantage_zero": ["--reward_fn", f"{tmp_path / 'constant.py'}:score", "--max_answer_seq_len", 8,
+                                      "--kl_ctl", 0]}
+    out = tmp_path / "out"
+    proc = run_entry(STEP3, *DATA, "--data_output_path", tmp_path / "data", "--actor_model_name_or_path", "tiny-opt",
+                     "--output_dir", out, "--advantage_estimator", "grpo", "--n_samples_per_prompt", 2,
+                     "--max_prompt_seq_len", 16, "--per_device_generation_batch_size", 4,
+                     "--per_device_training_batch_size", 8, "--max_steps", 2, "--do_sample",
+                     "--actor_learning_rate", 1e-3, "--num_warmup_steps", 0, *flags[case], env=OMP)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    why = {"every_answer_masked": "every answer was cut at --max_answer_seq_len 2 and --mask_truncated_answers",
+           "every_advantage_zero": "every advantage was 0"}[case]
+    assert "2 RL step(s) ran but the actor is the input model, weight for weight" in proc.stderr and why in proc.stderr
+    assert not (out / "actor").exists()
+
+
+def test_unchanged_actor_reason_names_the_cause():
+    from step3_rlhf_finetuning.config import PPOConfig
+    from step3_rlhf_finetuning.main import unchanged_actor_reason
+
+    masked = PPOConfig(advantage_estimator="grpo", n_samples_per_prompt=2, mask_truncated_answers=True)
+    assert "every answer was cut at --max_answer_seq_len 4" in unchanged_actor_reason(
+        [{"truncated": 1.0}, {"truncated": 1.0}], masked, 4, False, 2, 0)
+    # one step with an answer that ended: not the masking's doing
+    assert "every advantage was 0" in unchanged_actor_reason([{"truncated": 1.0}, {"truncated": 0.5}], masked, 4,
+                                                             False, 2, 0)
+    assert "no update moved a weight" in unchanged_actor_reason([{"truncated": 0.5}], PPOConfig(), 4, True, 2, 0)
+    # one optimizer step with a warm-up: the schedule's first learning rate is 0, whatever else happened
+    assert "its one optimizer step ran at learning rate 0, the start of the --num_warmup_steps 100 warm-up" in \
+        unchanged_actor_reason([{"truncated": 1.0}], masked, 4, False, 1, 100)
+    assert "learning rate 0" not in unchanged_actor_reason([{"truncated": 1.0}], masked, 4, False, 2, 100)

@@ -394,6 +394,38 @@ def test_a_per_size_scripts_step_3_is_not_judged_without_the_scripts_own_flags(t
         train.check_step_flags(args, train.make_plan(args, 1))
 
 
+@pytest.mark.parametrize("extra, message", [
+    # the built-in demo data has no reference answers, no IFEval instructions
+    (["--step3-args", "--advantage_estimator grpo --n_samples_per_prompt 2 --reward_fn gsm8k"],
+     "error: step 3 (RLHF with GRPO) would refuse its data: --reward_fn gsm8k: "),
+    (["--step3-args", "--advantage_estimator grpo --n_samples_per_prompt 2 --reward_fn ifeval"],
+     "error: step 3 (RLHF with GRPO) would refuse its data: --reward_fn ifeval: "),
+    (["--label-fn", "gsm8k"],
+     "error: step 2 (comparisons of the step-1 actor's answers) would refuse its data: --label_fn gsm8k: "),
+    # more prompts a round than the phase-3 share holds, before any length filter
+    (["--step3-args", "--per_device_generation_batch_size 100000"],
+     "error: step 3 (RLHF with PPO) would refuse its data: --data_path builtin/"),
+])
+def test_a_later_steps_data_that_it_would_refuse_is_refused_before_step_1(tmp_path, monkeypatch, capsys, extra,
+                                                                           message):
+    """Issue 57, rule 5: a built-in reward or labelling function whose columns the data lack used to be found by
+    step 3 (or the collector) only after step 1 had trained."""
+    monkeypatch.setattr(train, "run_step", lambda *a, **k: pytest.fail("a step was launched"))
+    argv = ["--demo", "--output-dir", str(tmp_path / "out"), *extra]
+    assert train.main(train.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.strip().endswith("nothing was run"), err
+    assert not (tmp_path / "out" / "actor-models").exists()
+
+
+def test_a_hub_dataset_is_left_to_the_steps(monkeypatch, tmp_path):
+    """The data check reads local and built-in data only: a hub name is fetched by step 1 first."""
+    from utils.data.raw_datasets import from_hub
+
+    assert from_hub("Dahoas/rm-static") and not from_hub("builtin/preference-small")
+    assert not from_hub(str(tmp_path)) and not from_hub("local/jsonfile")
+
+
 def test_the_demos_own_flags_pass_every_steps_parser(tmp_path):
     """The check above must not refuse a good plan: the demo's, and DeepSpeed-Chat's OPT plan."""
     for argv in (["--demo"], ["--demo", "--step3-args", "--advantage_estimator rloo --n_samples_per_prompt 4 "

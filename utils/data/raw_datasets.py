@@ -36,6 +36,14 @@ def supported_names():
     return names
 
 
+def from_hub(dataset_name: str) -> bool:
+    """Whether :func:`get_raw_dataset` would fetch ``dataset_name`` from the Hugging Face hub (a hub name that is not
+    also a local path)."""
+    if dataset_name.startswith("builtin/") or "local/jsonfile" in dataset_name:
+        return False
+    return any(key in dataset_name for key, _ in HUB_DATASETS) and not os.path.exists(os.path.expanduser(dataset_name))
+
+
 def get_raw_dataset(dataset_name, output_path, seed, local_rank):
     """The adapter for ``dataset_name`` (no data are read yet; see the module docstring)."""
     if not isinstance(dataset_name, str) or not dataset_name.strip():

@@ -74,8 +74,12 @@ def resolve_model_name_or_path(name_or_path: str) -> str:
 def _model_type(path: str) -> str:
     config = os.path.join(path, "config.json")
     if os.path.isfile(config):
-        with open(config) as f:
-            return json.load(f).get("model_type", "")
+        try:
+            with open(config) as f:
+                found = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserInputError(f"{path}: config.json cannot be read ({e}); copy or save the model again") from None
+        return found.get("model_type", "") if isinstance(found, dict) else ""
     return ""
 
 
@@ -93,6 +97,12 @@ def load_hf_tokenizer(model_name_or_path: str, fast_tokenizer: bool = True, add_
     except OSError as e:
         where = "the folder" if local else "the Hugging Face hub (is it reachable? use a local folder offline)"
         raise UserInputError(f"cannot load a tokenizer for {model_name_or_path!r} from {where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer.json / tokenizer_config.json: JSON, tokenizers' own
+        if not local:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserInputError(f"cannot load a tokenizer for {model_name_or_path!r}: its files in {path} are damaged "
+                             f"({type(e).__name__}: {first}); copy or save the model again") from None
     if not tokenizer("hello world", add_special_tokens=False)["input_ids"]:  # transformers 5 builds an
         # empty tokenizer (that encodes nothing) for a folder with a config.json but no tokenizer files
         raise UserInputError(f"model {model_name_or_path!r}: no usable tokenizer in {path} (it encodes text to "
