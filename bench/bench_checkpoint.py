@@ -15,6 +15,11 @@ wall time checkpointing would take at ``--save_interval 1`` and at 10.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import os
@@ -86,4 +91,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils.entrypoint import run_script
+
+    run_script(main)

@@ -21,6 +21,11 @@ peak GPU memory, and whether its greedy output equals ``hf``'s token for token.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import os
 import time
@@ -176,4 +181,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from utils.entrypoint import run_script
+
+    run_script(main)

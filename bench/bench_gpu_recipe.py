@@ -28,6 +28,11 @@ nvidia-smi's ``memory.used`` polled every 0.2 s (the whole process, CUDA context
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import gzip
 import json
@@ -263,7 +268,9 @@ def main():
         if step == "2":
             args.step2_out = out
         if step == "3" and not args.step2_out:
-            raise SystemExit("step 3 needs a reward model: run step 2 too, or pass --step2_out")
+            from utils.errors import UserInputError
+
+            raise UserInputError("--steps 3 needs a reward model: run step 2 too, or pass --step2_out")
         subprocess.run(["rm", "-rf", out])
         script, flags = step_flags(step, work, out, args)
         log_path = os.path.join(work, f"step{step}{args.tag}.log")
@@ -282,4 +289,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from utils.entrypoint import run_script
+
+    run_script(main)

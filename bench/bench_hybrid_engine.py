@@ -17,6 +17,11 @@ match. ``--dtype`` is left to step 3 (bf16 on a GPU, fp32 on a CPU). Cells run `
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import itertools
 import os
@@ -96,4 +101,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from utils.entrypoint import run_script
+
+    run_script(main)

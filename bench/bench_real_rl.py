@@ -5,19 +5,20 @@
     .venv/bin/python bench/bench_real_rl.py --rows grpo,trl,ppo --work /tmp/real-rl   # + TRL and DeepSpeed-Chat's path
 
 Task: alpaca's instructions (``../shared/data/llama-factory-demo``) with one or two IFEval constraints each
-(:mod:`utils.data.ifeval_data`, 9 types a 135M model samples a compliant answer for now and then: commas, end
+(``bench/ifeval_data.py``, 9 types a 135M model samples a compliant answer for now and then: commas, end
 phrase, keywords, forbidden words, word count, bullets, postscript, title, highlights), 220 instructions held out.
 Rows:
 
-* ``grpo``: step 3 ``--advantage_estimator grpo --reward_fn ifeval_guarded`` from the model itself (its own
-  instruct tuning is step 1): 8 prompts × 4 answers a step, 128 new tokens, β 0.04 (k3, in the loss), lr 4e-5;
-  the reward is the share of constraints kept times two guards (:func:`utils.ifeval.substance`, because
-  compliance alone pays answers that are only the constraint; :func:`utils.ifeval.variety`, because it pays
+* ``grpo``: step 3 ``--advantage_estimator grpo --reward_fn bench/ifeval_reward.py:ifeval_guarded`` from the model
+  itself (its own instruct tuning is step 1): 8 prompts × 4 answers a step, 128 new tokens, β 0.04 (k3, in the
+  loss), lr 4e-5; the reward (``bench/ifeval_reward.py``) is the share of constraints kept times two guards
+  (``substance``, because compliance alone pays answers that are only the constraint; ``variety``, because it pays
   "P.S. … P.S. P.S." as much as one postscript), plus 0.5 × the answer's unigram F1 against
-  alpaca's answer (:func:`utils.ifeval.guarded_compliance`), because keeping constraints must not cost content;
+  alpaca's answer (``guarded_compliance``), because keeping constraints must not cost content;
 * ``trl``: TRL's ``GRPOTrainer`` on the same data, reward, steps and settings (the peer bench's environment);
 * ``ppo``: DeepSpeed-Chat's path: the model's own answers ranked by the same checker
-  (``collect_comparisons.py --label_fn ifeval_guarded``) → step 2 reward model → step 3 PPO.
+  (``collect_comparisons.py --label_fn bench/ifeval_reward.py:ifeval_guarded``) → step 2 reward model → step 3
+  PPO.
 
 The held-out evaluation (:func:`evaluate`, greedy, the chat template, the training's 128 tokens) of each model:
 strict compliance (every constraint of a prompt kept) and per type; the content guards: unigram F1 against
@@ -40,6 +41,11 @@ The training and the evaluation run on the GPU when there is one; ``SHARED_DATA`
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import glob
 import json
@@ -49,6 +55,8 @@ import shlex
 import subprocess
 import sys
 import time
+
+from utils.errors import UserInputError
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 SHARED = os.environ.get("SHARED_DATA") or os.path.join(os.path.dirname(REPO), "shared", "data")  # ../shared/data
@@ -60,6 +68,9 @@ TYPES = ("punctuation:no_comma", "startend:end_checker", "keywords:existence", "
          "length_constraints:number_words", "detectable_format:number_bullet_lists", "detectable_content:postscript",
          "detectable_format:title", "detectable_format:number_highlighted_sections")
 LENGTH_TYPES = ("length_constraints:number_words",)  # constraints that limit length (left out of the length guard)
+# the tuned reward (GRPO, TRL and the PPO path's labeller): a file's function, from the repository's root, where the
+# steps run (utils.reward_functions.load_reward_fn)
+GUARDED = "bench/ifeval_reward.py:ifeval_guarded"
 EXAMPLES = 3  # answers shown before and after
 
 
@@ -67,7 +78,8 @@ EXAMPLES = 3  # answers shown before and after
 
 def score_constrained(rows: list, answers: list) -> dict:
     """Strict compliance, per type, and the content guards on the constrained held-out answers."""
-    from utils.ifeval import BARE_WORDS, check, instructions_of, other_words, unigram_f1
+    from ifeval_reward import BARE_WORDS, other_words, unigram_f1  # beside this script
+    from utils.ifeval import check, instructions_of
 
     strict, per_type, f1, lengths, bare = [], {}, [], [], []
     for row, answer in zip(rows, answers):
@@ -185,7 +197,7 @@ def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full:
     if full:
         plain = data["heldout_plain"]
         plain_answers = greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in plain], opts.answer_len)
-        from utils.ifeval import unigram_f1
+        from ifeval_reward import unigram_f1  # beside this script
 
         f1 = [unigram_f1(a, r["reference_output"]) for a, r in zip(plain_answers, plain)]
         result["plain_f1"] = sum(f1) / len(plain)
@@ -198,6 +210,21 @@ def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full:
 
 
 # --------------------------------------------------------------------------- runs
+
+def read_results(path: str) -> dict:
+    """A run's ``results.json``; one that is not a JSON object (cut short by a full disk or a kill) is the user's to
+    fix: one line naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserInputError(f"{path}: not a readable results file ({type(e).__name__}: {e}); rerun that --work "
+                             "folder's bench, or move the file away to start its evaluation afresh") from None
+    if not isinstance(results, dict):
+        raise UserInputError(f"{path}: a {type(results).__name__}, not a results object; move it away to start "
+                             "afresh")
+    return results
+
 
 def read_jsonl(path: str) -> list:
     with open(path) as f:
@@ -217,10 +244,15 @@ def data_folder(work: str, train_weights: str | None = None) -> str:
 def build_data(work: str, train_weights: str | None = None) -> dict:
     out = data_folder(work, train_weights)
     if not os.path.exists(os.path.join(out, "heldout.jsonl")):
-        subprocess.run([sys.executable, "-m", "utils.data.ifeval_data", "--alpaca",
-                        os.path.join(SHARED, "llama-factory-demo", "alpaca_en_demo.json"), "--out", out, "--seed",
-                        "1234", "--heldout", "220", "--types", ",".join(TYPES),
-                        *(["--train_weights", train_weights] if train_weights else [])], cwd=REPO, check=True)
+        import train  # the steps' environment: the repository first on PYTHONPATH, as a bench script has it
+
+        proc = subprocess.run([sys.executable, os.path.join("bench", "ifeval_data.py"), "--alpaca",
+                               os.path.join(SHARED, "llama-factory-demo", "alpaca_en_demo.json"), "--out", out,
+                               "--seed", "1234", "--heldout", "220", "--types", ",".join(TYPES),
+                               *(["--train_weights", train_weights] if train_weights else [])],
+                              cwd=REPO, env=train.child_env())
+        if proc.returncode != 0:  # its own error line is above
+            raise SystemExit(f"bench_real_rl: building the data in {out} failed (exit {proc.returncode})")
     with open(os.path.join(SHARED, "gsm8k", "test.jsonl")) as f:
         gsm8k = [json.loads(line) for _, line in zip(range(200), f)]
     return {"dir": out, "train": os.path.join(out, "train.jsonl"),
@@ -289,7 +321,7 @@ def ppo_commands(model: str, data: dict, out: str, opts) -> list:
     common = ["--apply_chat_template", "--seed", "1234", "--data_output_path", os.path.join(out, "data")]
     return [
         ["step2_reward_model_finetuning/collect_comparisons.py", "--actor_model_name_or_path", model, "--data_path",
-         data["train"], "--data_split", "0,1,0", "--label_fn", "ifeval_guarded", "--num_answers", "4",
+         data["train"], "--data_split", "0,1,0", "--label_fn", GUARDED, "--num_answers", "4",
          "--max_new_tokens", str(opts.answer_len), "--max_prompts", "120", "--max_eval_prompts", "16",
          "--batch_size", "16", "--output_dir", comparisons, "--overwrite", *common],
         ["step2_reward_model_finetuning/main.py", "--model_name_or_path", model, "--data_path", comparisons,
@@ -443,7 +475,8 @@ def main(argv=None):
     parser.add_argument("--estimator", choices=sorted(TRL_SCALE_REWARDS), default="grpo",
                         help="the GRPO row's --advantage_estimator: grpo divides a group's centred scores by their "
                         "std, dr_grpo does not (TRL's row: scale_rewards group / none); both rows take the token mean")
-    parser.add_argument("--reward_fn", default="ifeval_guarded", help="the GRPO row's --reward_fn")
+    parser.add_argument("--reward_fn", default=GUARDED, help="the GRPO row's --reward_fn (a path from the "
+                        "repository's root: the steps run there)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the GRPO and TRL rows' training precision (step 3's --dtype; TRL's bf16 autocast); "
                              "the evaluation is fp32 either way")
@@ -478,20 +511,28 @@ def main(argv=None):
         parser.error("--autocast needs --dtype bf16")
     if opts.generation_dtype and opts.dtype == "bf16" and not opts.autocast:
         parser.error("--generation_dtype bf16 with bf16 weights copies nothing new: add --autocast")
+    if opts.train_weights:  # the data builder's check, before any model or data: one error line, exit 2
+        from ifeval_data import parse_weights  # beside this script
+
+        parse_weights(opts.train_weights, TYPES)
+    rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ("grpo", "trl", "ppo")]
+    if unknown or not rows:
+        raise UserInputError(f"--rows {opts.rows}: {', '.join(map(repr, unknown)) or 'none given'}; give grpo, trl "
+                             "or ppo (comma-separated)")
     if opts.summarize:
         folders = [os.path.normpath(work) for work in opts.summarize]
         twice = sorted({work for work in folders if folders.count(work) > 1})
         if twice:
-            raise SystemExit(f"bench_real_rl: {', '.join(twice)} given twice")
+            raise UserInputError(f"--summarize: {', '.join(twice)} given twice")
         runs = {}
         for work in folders:
             path = os.path.join(work, "results.json")
             if not os.path.exists(path):
-                raise SystemExit(f"bench_real_rl: no {path}: not a finished run's --work folder")
-            with open(path) as f:
-                results = json.load(f)
+                raise UserInputError(f"--summarize: no {path}: not a finished run's --work folder")
+            results = read_results(path)
             if "base" not in results:
-                raise SystemExit(f"bench_real_rl: {path} has no base model's evaluation: not a finished run")
+                raise UserInputError(f"--summarize: {path} has no base model's evaluation: not a finished run")
             name = os.path.basename(work)
             if name in runs:  # another parent's folder of the same name: keep both, named by their parents
                 name = os.path.join(os.path.basename(os.path.dirname(work)), name)
@@ -506,10 +547,18 @@ def main(argv=None):
     if not os.path.isdir(opts.model) or not os.path.isdir(SHARED):
         print(f"bench_real_rl: needs the model folder {opts.model} and {SHARED}; skipped")
         return 0
+    import torch
+
+    from utils.runtime import cpu_capability, cpu_flags, slow_bf16_warning
+
+    slow = None if torch.cuda.is_available() else slow_bf16_warning(
+        opts.dtype, opts.autocast, opts.generation_dtype, cpu_capability(), cpu_flags())
+    if slow:  # the GRPO and TRL rows would crawl: say so before the hour starts
+        print(f"warning: {slow.replace('--torch_autocast', '--autocast')}", file=sys.stderr, flush=True)
     os.makedirs(opts.work, exist_ok=True)
     data = build_data(opts.work, opts.train_weights)
     results_path = os.path.join(opts.work, "results.json")
-    results = json.load(open(results_path)) if os.path.exists(results_path) else {}
+    results = read_results(results_path) if os.path.exists(results_path) else {}
 
     def save():
         with open(results_path, "w") as f:
@@ -520,7 +569,7 @@ def main(argv=None):
         print("evaluating the base model", flush=True)
         results["base"] = evaluate(opts.model, data, opts)
         save()
-    for row in [r.strip() for r in opts.rows.split(",") if r.strip()]:
+    for row in rows:
         out = os.path.join(opts.work, row)
         if row == "grpo":
             if not os.path.exists(os.path.join(out, "actor")):
@@ -544,8 +593,6 @@ def main(argv=None):
                          for i, cmd in enumerate(ppo_commands(opts.model, data, out, opts))]
                 results.setdefault("wall", {})[row] = sum(walls)
                 save()
-        else:
-            raise SystemExit(f"unknown row {row!r}: grpo, trl or ppo")
         curve = results.setdefault("curve", {}).setdefault(row, {"0": {k: results["base"][k] for k in
                                                                        ("strict", "f1", "length", "bare")}})
         for step, (model_dir, weights) in sorted(points.items()):
@@ -570,4 +617,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.entrypoint import run_script
+
+    run_script(main)

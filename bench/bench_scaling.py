@@ -16,6 +16,11 @@ Step 3 trains the 1-rank step-1/step-2 outputs of the same run of this script.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import os
@@ -94,7 +99,8 @@ def samples_per_sec(step: str, train_rows: list, args: list, ranks: int) -> floa
 
 
 def wrap_rank(rss_dir: str, script: str, argv: list) -> None:
-    """Run ``script`` as ``__main__`` in this process; record its peak RSS at exit (one file per rank)."""
+    """Run ``script`` as ``__main__`` in this process; record its peak RSS at exit (one file per rank). The steps'
+    scripts import the project's packages only (never a module beside them), so ``sys.path`` stays as it is."""
     import atexit
     import resource
     import runpy
@@ -106,7 +112,6 @@ def wrap_rank(rss_dir: str, script: str, argv: list) -> None:
 
     atexit.register(record)
     sys.argv = [script] + argv
-    sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")
 
 
@@ -167,7 +172,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == WRAP:
+    if len(sys.argv) > 3 and sys.argv[1] == WRAP:  # a rank of a measured run: the step script's own run_main
         wrap_rank(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
-        main()
+        from utils.entrypoint import run_script
+
+        run_script(main)

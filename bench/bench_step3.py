@@ -18,6 +18,11 @@ trainer exactly as its throughput lines (DeepSpeed-Chat's formulas):
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import os
@@ -93,4 +98,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from utils.entrypoint import run_script
+
+    run_script(main)

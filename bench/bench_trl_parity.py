@@ -20,19 +20,21 @@ gradient to its optimizer. TRL runs in the peer bench's environment (``--peer-ve
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from types import SimpleNamespace
 
 import torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 PROMPTS = ("Give three tips for staying healthy. Do not use any commas in your response.",
            "Describe the water cycle. Finish your response with the exact phrase \"Is there anything else?\"",
@@ -183,7 +185,10 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="folder for the batch and TRL's gradient (default: a temp dir)")
     opts = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(opts.model, "config.json")):
-        raise SystemExit(f"--model {opts.model}: no config.json there (build it: ../shared/tools/make_smollm2_hf.py)")
+        from utils.errors import UserInputError
+
+        raise UserInputError(f"--model {opts.model}: no config.json there (build it: "
+                             "make smollm2)")
     from bench_peers import ensure_peer_env
 
     python = ensure_peer_env(opts.peer_venv, opts.trl)
@@ -207,4 +212,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.entrypoint import run_script
+
+    run_script(main)

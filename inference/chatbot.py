@@ -230,6 +230,11 @@ def main(args) -> None:
         bot = Chatbot(args.path, args.max_new_tokens, args.device, args.do_sample, args.temperature, args.top_p,
                       args.top_k, args.dtype, args.apply_chat_template)
         print(bot.describe_format(), file=sys.stderr, flush=True)
+        from utils.runtime import cpu_bf16_warning
+
+        slow = cpu_bf16_warning(args, bot.device)  # --dtype bf16 on a CPU without bf16 instructions
+        if slow:
+            print(f"warning: {slow}", file=sys.stderr, flush=True)
         chat(bot)
     except KeyboardInterrupt:  # Ctrl-C leaves the chat: no traceback (and no training-run message)
         print("\n[interrupted]", file=sys.stderr, flush=True)

@@ -23,9 +23,9 @@ if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 13
 
 import argparse
 
+from utils.answers import check_room, prompt_ids
 from utils.arguments import add_chat_template_arg
 from utils.entrypoint import run_main
-from utils.model.answers import check_room, prompt_ids
 
 # Prompts end with ":" (the reference's observation: a trailing space often makes an
 # untuned model produce nothing).

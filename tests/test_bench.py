@@ -15,6 +15,7 @@ import pytest
 from step3_rlhf_finetuning.main import validate_step3
 from utils.arguments import validate_common
 from utils.compat import check_zero_combination
+from utils.errors import UserInputError
 
 REPO = Path(__file__).resolve().parent.parent
 MAINS = {"1": "step1_supervised_finetuning.main", "2": "step2_reward_model_finetuning.main",
@@ -130,9 +131,10 @@ def test_real_model_benches_skip_in_one_line_without_the_model(name, tmp_path, c
     assert len(out) == 1 and "skipped" in out[0]
 
 
-def test_real_rl_bench_metrics_by_hand():
+def test_real_rl_bench_metrics_by_hand(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # as `python bench/bench_real_rl.py` has it: its reward beside it
     bench = load_module("bench_real_rl")
-    from utils.ifeval import unigram_f1
+    unigram_f1 = load_module("ifeval_reward").unigram_f1
 
     assert unigram_f1("the cat sat", "the cat ran away") == pytest.approx(2 * (2 / 3) * (2 / 4) / (2 / 3 + 2 / 4))
     assert unigram_f1("", "x") == 0.0
@@ -170,7 +172,7 @@ def test_real_rl_bench_summarizes_a_recipes_seeds(tmp_path, capsys):
     assert "grpo: mean strict 0.460 (+6.0 points) over 2 run(s), range 0.400 – 0.520" in out
     assert "trl: mean strict 0.470 (+7.0 points) over 1 run(s)" in out
     os.makedirs(tmp_path / "unfinished")
-    with pytest.raises(SystemExit, match="not a finished run"):
+    with pytest.raises(UserInputError, match="not a finished run"):  # one error line, exit 2 (run_script)
         bench.main(["--summarize", str(tmp_path / "unfinished")])
 
 
@@ -201,7 +203,7 @@ def test_real_rl_bench_draws_a_recipes_seeds_in_one_plot(tmp_path, monkeypatch):
     assert bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "trl" / "s1"), "--plot", png]) == 0
     assert drawn["labels"] == ["step 3 GRPO, s1", "step 3 GRPO, trl/s1", "TRL GRPOTrainer, s1",
                                "TRL GRPOTrainer, trl/s1"]
-    with pytest.raises(SystemExit, match="given twice"):
+    with pytest.raises(UserInputError, match="given twice"):
         bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "s1")])
     assert plot({label: curve for label in drawn["labels"]}, png) == drawn["labels"]
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -248,7 +250,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
                                                           gen_dtype, tmp_path):
     bench = load_module("bench_real_rl")
     opts = Namespace(group=4, prompts=8, answer_len=128, kl=0.04, lr=1e-5, steps=22, eval_every=11, seed=7,
-                     reward_fn="ifeval_guarded", temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
+                     reward_fn=bench.GUARDED, temperature=0.7, schedule="cosine", warmup=2, estimator=estimator,
                      dtype=dtype, autocast=autocast, overlong_penalty=overlong, overlong_penalty_weight=0.25,
                      adam_betas=[0.9, 0.999], generation_dtype=gen_dtype)
     data = {"train": "train.jsonl"}
@@ -259,7 +261,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     assert args.overlong_penalty_weight == (0.25 if overlong else 1.0)  # the weight travels with the penalty only
     assert args.adam_betas == [0.9, 0.999]
     validate_step3(args)
-    assert args.reward_fn == "ifeval_guarded" and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
+    assert args.reward_fn == bench.GUARDED and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
     assert (args.advantage_estimator, args.loss_agg) == (estimator, "token_mean")  # TRL's dapo loss: the token mean
     collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)

@@ -1,12 +1,13 @@
 """IFEval's verifiable instructions (utils/ifeval.py): every checker on answers written by hand that keep and break
 it, IFEval's edge cases, a row's compliance share and its errors; the ``ifeval`` reward function as steps 2 and 3
-call it, IFEval rows through the phase-3 data loader, and the data builder (utils/data/ifeval_data.py)."""
+call it, IFEval rows through the phase-3 data loader, the data builder (bench/ifeval_data.py) and the real-model
+bench's guarded reward (bench/ifeval_reward.py, through the file.py:function hook)."""
 import json
 
 import pytest
 
-from tests.conftest import shared_data
-from utils.data import ifeval_data as builder
+from bench import ifeval_data as builder
+from tests.conftest import REPO, shared_data
 from utils.errors import UserInputError
 from utils.ifeval import INSTRUCTIONS, check, compliance, count_sentences, count_words, describe, instructions_of
 from utils.reward_functions import call_reward_fn, check_rows, ifeval, load_reward_fn
@@ -200,7 +201,7 @@ def test_data_without_ifeval_instructions_is_refused_up_front_in_one_line():
     assert "\n" not in message and message.startswith(
         "--label_fn ifeval: 1 of 5 prompts have no instruction_id_list; 1 of 5 use unknown instruction ids "
         "(language:response_language); 1 of 5 have unusable kwargs (first: ")
-    assert "missing ['end_phrase']" in message and "python -m utils.data.ifeval_data" in message
+    assert "missing ['end_phrase']" in message and "python bench/ifeval_data.py" in message
 
 
 # --------------------------------------------------------------------------- through the data loaders
@@ -340,9 +341,11 @@ def test_builder_on_the_shared_alpaca_demo(tmp_path):
 
 # --------------------------------------------------------------------------- the content guard (ifeval_guarded)
 
+GUARDED = f"{REPO / 'bench' / 'ifeval_reward.py'}:ifeval_guarded"  # as --reward_fn takes it
+
 
 def test_the_guard_pays_nothing_for_an_answer_that_is_only_the_constraint():
-    from utils.ifeval import guarded_compliance, other_words, substance
+    from bench.ifeval_reward import guarded_compliance, other_words, substance
     from utils.reward_functions import call_reward_fn, load_reward_fn
 
     end = {"instruction_id_list": ["startend:end_checker"], "kwargs": [{"end_phrase": "That is all."}]}
@@ -357,12 +360,12 @@ def test_the_guard_pays_nothing_for_an_answer_that_is_only_the_constraint():
     short = {"instruction_id_list": ["length_constraints:number_words"],
              "kwargs": [{"relation": "less than", "num_words": 8}]}
     assert substance(short, "Mix, rest, fry thin.") == 1.0 and guarded_compliance(short, "Mix, rest, fry thin.") == 1.0
-    fn = load_reward_fn("ifeval_guarded")
+    fn = load_reward_fn(GUARDED)
     assert call_reward_fn(fn, "ifeval_guarded", ["p", "p"], ["That is all.", answer], [end, end]) == [0.0, 1.0]
 
 
 def test_the_guard_pays_a_repeated_answer_its_share_of_distinct_trigrams():
-    from utils.ifeval import guarded_compliance, variety
+    from bench.ifeval_reward import guarded_compliance, variety
 
     assert variety("a b c a b c") == pytest.approx(3 / 4)  # abc, bca, cab, abc: 3 distinct of 4
     assert variety("Whisk the eggs, then fry.") == 1.0 and variety("too short") == 1.0 and variety("") == 1.0
@@ -378,7 +381,7 @@ def test_the_content_term_pays_nothing_for_a_forbidden_word():
     """The builder draws forbidden words from alpaca's answer, the very text the content term compares with: a
     term that counted them paid for breaking the instruction (a little: +0.009 on average for writing them into
     alpaca's own answer; docs/real-model.md). They are taken out of the reference."""
-    from utils.ifeval import CONTENT_WEIGHT, forbidden_words, guarded_compliance, unigram_f1
+    from bench.ifeval_reward import CONTENT_WEIGHT, forbidden_words, guarded_compliance, unigram_f1
 
     assert unigram_f1("mix flour and eggs", "Mix flour and eggs.") == 1.0
     # reference {mix, and, eggs}; answer {mix, flour, and, eggs}: overlap 3, precision 3/4, recall 1

@@ -122,7 +122,10 @@ def test_architecture_names_existing_files_and_every_module():
 
 def test_readme_is_short_and_its_links_lead_somewhere():
     lines = README.splitlines()
-    assert len(lines) <= 250, len(lines)
+    assert len(lines) <= 200, len(lines)  # issue 56: a page a user reads; the detail lives in docs/
+    section = README.split("\n## A real model, trained here\n")[1].split("\n## ")[0]
+    assert len(section.strip().splitlines()) <= 30
+    assert len((REPO / "docs" / "real-model.md").read_text().splitlines()) <= 200
     demo = README.split("\n## What the demo shows\n")[1].split("\n## ")[0]
     assert len(demo.strip().splitlines()) <= 40
     for page, text in PAGES.items():

@@ -68,8 +68,10 @@ def test_loading_a_users_function_and_its_errors(tmp_path):
     assert call_reward_fn(fn, "rewards.py:length", ["p", "q"], ["ab", ""], [{}, {}]) == [2.0, 0.0]
     assert load_reward_fn("gsm8k") is gsm8k
     cases = {
-        "nope": "unknown reward function; give a built-in one (builtin_rule, builtin_preference, gsm8k, ifeval, "
-                "ifeval_guarded) or path/to/file.py:function",
+        "nope": "unknown reward function; give a built-in one (builtin_rule, builtin_preference, gsm8k, ifeval) "
+                "or path/to/file.py:function",
+        "ifeval_guarded": "ifeval_guarded: ifeval_guarded moved to bench/ifeval_reward.py: use --reward_fn "
+                          "bench/ifeval_reward.py:ifeval_guarded",  # the real-model bench's reward, a file's now
         f"{tmp_path}/missing.py:f": "no such file",
         f"{good}:absent": "defines no 'absent'",
         f"{good}:NOT_CALLABLE": "is not a function",

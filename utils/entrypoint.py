@@ -5,9 +5,6 @@ import os
 import sys
 from typing import Callable
 
-import torch
-
-from utils.distributed import get_rank
 from utils.errors import (BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, RunInterrupted, TrainingDiverged,
                           UserInputError)
 from utils.run_folder import RunFolder
@@ -37,6 +34,29 @@ def out_of_memory_message(e: BaseException) -> str:
     return f"out of GPU memory ({first[:160]}); {OOM_REMEDY}"
 
 
+class _NoSuchError(Exception):
+    """Stands in for ``torch.OutOfMemoryError`` in a process that never imported torch (a pure-Python tool)."""
+
+
+def _out_of_memory_type() -> type:
+    """``torch.OutOfMemoryError`` where torch is loaded; a process that never imported torch cannot have raised
+    it (so a pure-Python tool under :func:`run_main` starts without torch's import)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "OutOfMemoryError", _NoSuchError) if torch is not None else _NoSuchError
+
+
+def _rank() -> int:
+    """The process's global rank: :func:`utils.distributed.get_rank` once torch is loaded, else ``$RANK``."""
+    if "torch" in sys.modules:
+        from utils.distributed import get_rank
+
+        return get_rank()
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def run_main(main: Callable, args) -> None:
     """Run an entry point: bad input ends with one clear line and exit code 2 (so does a full disk, from any
     writer), divergence with exit code 3, running out of GPU memory with one line naming the remedies and exit
@@ -58,7 +78,7 @@ def run_main(main: Callable, args) -> None:
     except (UserInputError, TrainingDiverged) as e:
         print(error_line(e), file=sys.stderr, flush=True)
         sys.exit(BAD_INPUT if isinstance(e, UserInputError) else DIVERGED)
-    except torch.OutOfMemoryError as e:
+    except _out_of_memory_type() as e:  # evaluated when something was raised: torch's, if main loaded torch
         print(error_line(e, out_of_memory_message(e)), file=sys.stderr, flush=True)
         sys.exit(OUT_OF_MEMORY)
     except BrokenPipeError:  # the reader of the output went away (`chat.py | head`): stop quietly, as `cat` does
@@ -72,6 +92,24 @@ def run_main(main: Callable, args) -> None:
         sys.exit(BAD_INPUT)
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn this into a traceback
-        if get_rank() == 0:
+        if _rank() == 0:
             print(f"\n{interrupt_message(e)}", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
+
+
+def run_script(main: Callable[[], "int | None"]) -> None:
+    """A bench's or tool's ``main()`` (it parses ``sys.argv`` itself) under :func:`run_main`, its return value the
+    exit code: a user's mistake is one ``error:`` line and exit 2, Ctrl-C one line and exit 130, as every entry
+    point (tests/test_script_rules.py checks that each shipped script's ``__main__`` goes through one of these)."""
+    code = []
+
+    def call(_args):
+        try:
+            code.append(main())
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt:  # not a training step's: no checkpoint to name
+            raise RunInterrupted("interrupted; what it reported as done is kept, the rest was not run") from None
+
+    run_main(call, None)
+    sys.exit(code[0] if code and code[0] is not None else 0)

@@ -63,9 +63,9 @@ def actor_answers(model_dir: str, prompts: List[str], max_new_tokens: int = MAX_
 
     Greedy by default: one answer per prompt, in order. With ``sampling`` (``{"temperature",
     "top_k", "top_p"}``, as step 3's flags) ``per_prompt`` sampled answers per prompt, prompt by
-    prompt, seeded (:func:`utils.model.answers.generate_answers`).
+    prompt, seeded (:func:`utils.answers.generate_answers`).
     """
-    from utils.model.answers import generate_answers, load_for_answers
+    from utils.answers import generate_answers, load_for_answers
 
     model, tokenizer = load_for_answers(model_dir)
     return generate_answers(model, tokenizer, prompts, max_new_tokens, sampling, per_prompt, seed)

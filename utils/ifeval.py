@@ -10,8 +10,10 @@ scores an answer by the share of them it keeps. A row is in IFEval's format::
 :func:`check` tells whether one answer keeps one instruction (IFEval's *strict* rules: the answer as written,
 and a blank answer keeps nothing); :func:`compliance` is the share of a row's instructions kept, the reward
 ``--reward_fn ifeval`` gives (:mod:`utils.reward_functions`); :func:`describe` writes an instruction's text for a
-prompt (:mod:`utils.data.ifeval_data`). Ids and kwargs names are IFEval's, so its own data work as they are;
-a kwargs value of None counts as absent (the hub copy, google/IFEval, fills every row's kwargs with nulls).
+prompt (the data builder, ``bench/ifeval_data.py``). Ids and kwargs names are IFEval's, so its own data work as
+they are; a kwargs value of None counts as absent (the hub copy, google/IFEval, fills every row's kwargs with
+nulls). The real-model bench's tuned reward, compliance with guards against gamed answers, is
+``bench/ifeval_reward.py`` (``--reward_fn bench/ifeval_reward.py:ifeval_guarded``).
 
 Our own code, not the PyPI package ``if-verifiable`` (IFEval's code, Apache-2.0): it installs, but counting
 sentences calls NLTK's punkt tokenizer, whose data NLTK downloads at run time (offline: ``LookupError:
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from utils.errors import UserInputError
 
@@ -438,92 +440,3 @@ def compliance(row: dict, answer: str) -> float:
     """The share of the row's instructions ``answer`` keeps, in [0, 1] (IFEval's strict per-instruction score)."""
     pairs = instructions_of(row)
     return sum(check(i, k, answer) for i, k in pairs) / len(pairs)
-
-
-# --------------------------------------------------------------------------- the content guard
-
-# kwargs whose values an answer must write out: what a "bare" answer consists of
-_REQUIRED_TEXT = ("end_phrase", "keywords", "postscript_marker", "prompt_to_repeat", "keyword")
-GUARD_WORDS = 10  # an answer with this many words besides the required text counts as an answer
-BARE_WORDS = 5  # the held-out evaluation's "bare" answer: fewer words than this besides the required text
-
-
-def other_words(row: dict, answer: str) -> int:
-    """Words of ``answer`` besides the text its instructions require it to write (end phrase, keywords,
-    postscript marker, repeated prompt): what is left of an answer once the constraint's own words are gone."""
-    text = answer or ""
-    for _, args in instructions_of(row):
-        for name in _REQUIRED_TEXT:
-            values = args.get(name)
-            for value in (values if isinstance(values, list) else [values] if values else []):
-                text = re.sub(re.escape(str(value)), " ", text, flags=re.IGNORECASE)
-    return count_words(text)
-
-
-def word_limit(row: dict) -> Optional[int]:
-    """The strictest "less than N words" of a row's instructions, or None."""
-    limits = [args["num_words"] for i, args in instructions_of(row)
-              if i == "length_constraints:number_words" and args.get("relation") == "less than"]
-    return min(limits) if limits else None
-
-
-def substance(row: dict, answer: str) -> float:
-    """In [0, 1]: 1 when the answer has at least :data:`GUARD_WORDS` words besides the required text (half the word
-    limit under "less than N words", if that is fewer), proportionally less below. Compliance alone pays an
-    answer that is only the constraint ("That is all.", the keyword alone): a 135M model learns that in 20
-    steps of GRPO (see docs/real-model.md)."""
-    limit = word_limit(row)
-    needed = GUARD_WORDS if limit is None else max(1, min(GUARD_WORDS, limit // 2))
-    return min(1.0, other_words(row, answer) / needed)
-
-
-def lower_words(text: str) -> List[str]:
-    """The lower-cased words of ``text`` (letters, digits, apostrophes) that :func:`variety` and :func:`unigram_f1`
-    compare."""
-    return re.findall(r"[a-z0-9']+", (text or "").lower())
-
-
-def variety(answer: str, n: int = 3) -> float:
-    """In [0, 1]: the share of the answer's word ``n``-grams (lower-cased) that are distinct; 1 for an answer of
-    fewer than ``n + 1`` words. A checker counts a postscript marker, a title or a bullet however often it is
-    repeated: at twice the learning rate, GRPO turned answers into "P.S. … P.S. P.S. P.S." and a list of one title
-    five times (docs/real-model.md), which a repetition-blind guard pays in full."""
-    words = lower_words(answer)
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
-    return len(set(grams)) / len(grams) if len(grams) > 1 else 1.0
-
-
-CONTENT_WEIGHT = 0.5  # weight of the content term (unigram F1 against the row's reference answer)
-
-
-def unigram_f1(answer: str, reference: str, leave_out: Iterable[str] = ()) -> float:
-    """Unigram F1 of the answer's words against the reference's (bags of lower-cased words); the words of
-    ``leave_out`` are taken out of the reference (an answer that writes them matches nothing with them)."""
-    from collections import Counter
-
-    dropped = {w for text in leave_out for w in lower_words(text)}
-    a, r = Counter(lower_words(answer)), Counter(w for w in lower_words(reference) if w not in dropped)
-    overlap = sum((a & r).values())
-    if overlap == 0:
-        return 0.0
-    precision, recall = overlap / sum(a.values()), overlap / sum(r.values())
-    return 2 * precision * recall / (precision + recall)
-
-
-def forbidden_words(row: dict) -> List[str]:
-    """The words a row's ``keywords:forbidden_words`` instructions forbid (none: ``[]``)."""
-    return [w for i, args in instructions_of(row) if i == "keywords:forbidden_words" for w in args["forbidden_words"]]
-
-
-def guarded_compliance(row: dict, answer: str) -> float:
-    """:func:`compliance` × :func:`substance` × :func:`variety` (the share of the instructions kept, by an answer
-    that answers without repeating itself), plus
-    :data:`CONTENT_WEIGHT` × :func:`unigram_f1` against the row's ``reference_output`` where it has one (the
-    builder's rows carry alpaca's answer; IFEval's own rows do not, and the term is 0): keeping the constraints
-    must not cost the answer its content. The row's forbidden words are left out of that reference: the builder
-    draws them from it, and a term that counted them paid for writing them."""
-    reference = row.get("reference_output") if isinstance(row, dict) else None
-    content = 0.0
-    if isinstance(reference, str) and reference:  # the forbidden words are drawn from that answer: not paid for
-        content = CONTENT_WEIGHT * unigram_f1(answer, reference, leave_out=forbidden_words(row))
-    return compliance(row, answer) * substance(row, answer) * variety(answer) + content

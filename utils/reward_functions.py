@@ -21,17 +21,16 @@ fields plus ``"reference_answer"``, the answer the data loader reads from the ro
 * ``gsm8k``: 1.0 if the last number in the answer equals the reference's number after ``####``,
   else 0.0 (numbers read as a grader reads them: :func:`last_number`);
 * ``ifeval``: the share of the row's IFEval instructions (``instruction_id_list`` and ``kwargs``) the
-  answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python -m utils.data.ifeval_data``;
-* ``ifeval_guarded``: that share times a content guard (:func:`utils.ifeval.substance`: 10 words besides the
-  constraint's own text), so an answer that is only the end phrase or the keyword earns nothing, and times the
-  share of its word trigrams that are distinct (:func:`utils.ifeval.variety`: a repeated postscript or title
-  earns less), plus 0.5 ×
-  the answer's unigram F1 against the row's ``reference_output`` when it has one (the builder's rows).
+  answer keeps (:func:`utils.ifeval.compliance`), in [0, 1]; data: ``python bench/ifeval_data.py``.
 
-:func:`call_reward_fn` checks what a function returns: a function that raises, returns anything but a
+The real-model bench's tuned reward, that share with guards against gamed answers, is a file's function:
+``--reward_fn bench/ifeval_reward.py:ifeval_guarded`` (once the built-in ``ifeval_guarded``: :data:`MOVED`).
+
+:func:`call_reward_fn` checks what a function returns: a function that raises (``SystemExit`` included: a
+``sys.exit()`` in it must not end the run as a success), returns anything but a
 sequence of one number per answer (a dict, a string, a set, a scalar, the wrong count), or a score that
 is not a finite number (a string, None, a list) is a :class:`~utils.errors.UserInputError` naming the
-function and the row. Pure Python: no torch import.
+function and the row; one still running after a minute is named in a warning line. Pure Python: no torch import.
 """
 from __future__ import annotations
 
@@ -45,8 +44,6 @@ from collections.abc import Sequence as SequenceABC
 from typing import Callable, List, Optional, Sequence
 
 from utils.errors import UserInputError
-
-REFERENCE = "reference_answer"  # the key under which a row carries the loader's answer text
 
 RewardFn = Callable[[List[str], List[str], List[dict]], Sequence[float]]
 
@@ -105,7 +102,10 @@ def last_number(text: str) -> Optional[float]:
 
 
 def gsm8k_reference(row: dict) -> Optional[float]:
-    """The number after ``####`` in a gsm8k row's reference answer, or None."""
+    """The number after ``####`` in a gsm8k row's reference answer (the loader's, under
+    :data:`utils.data.data_utils.REFERENCE`), or None."""
+    from utils.data.data_utils import REFERENCE
+
     reference = row.get(REFERENCE)
     if not isinstance(reference, str) or "####" not in reference:
         return None
@@ -150,16 +150,6 @@ def ifeval(prompts: List[str], answers: List[str], rows: List[dict]) -> List[flo
     return [compliance(row, answer) for answer, row in zip(answers, rows)]
 
 
-def ifeval_guarded(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
-    """The ``ifeval`` share times the content guard (:func:`utils.ifeval.substance`: at least 10 words besides the
-    constraint's own text), so an answer that is only the required phrase or keyword earns nothing, times its share
-    of distinct word trigrams (:func:`utils.ifeval.variety`), plus the content term
-    (:func:`utils.ifeval.guarded_compliance`)."""
-    from utils.ifeval import guarded_compliance
-
-    return [guarded_compliance(row, answer) for answer, row in zip(answers, rows)]
-
-
 def _check_ifeval_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     """Rows without ``instruction_id_list``, with an unknown instruction id or unusable kwargs: counted, in one
     line."""
@@ -193,14 +183,15 @@ def _check_ifeval_rows(prompts: List[str], rows: List[dict]) -> Optional[str]:
     if not problems:
         return None
     return ("; ".join(problems) + f"; ifeval scores IFEval-format rows (prompt, instruction_id_list, kwargs) with "
-            f"the {len(INSTRUCTIONS)} instruction ids of utils/ifeval.py, e.g. from python -m utils.data.ifeval_data")
+            f"the {len(INSTRUCTIONS)} instruction ids of utils/ifeval.py, e.g. from python bench/ifeval_data.py")
 
 
-BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k, "ifeval": ifeval,
-           "ifeval_guarded": ifeval_guarded}
+BUILTIN = {"builtin_rule": builtin_rule, "builtin_preference": builtin_preference, "gsm8k": gsm8k, "ifeval": ifeval}
 # Checks of the data a built-in function needs, run before any model is built: (prompts, rows) -> problem or None.
 ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_builtin_rows,
-              "gsm8k": _check_gsm8k_rows, "ifeval": _check_ifeval_rows, "ifeval_guarded": _check_ifeval_rows}
+              "gsm8k": _check_gsm8k_rows, "ifeval": _check_ifeval_rows}
+# Built-in names that left for a file of their own: the name given alone is refused with the spec to give instead.
+MOVED = {"ifeval_guarded": "bench/ifeval_reward.py:ifeval_guarded"}
 
 
 # --------------------------------------------------------------------------- loading
@@ -208,11 +199,14 @@ ROW_CHECKS = {"builtin_rule": _check_builtin_rows, "builtin_preference": _check_
 def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
     """A built-in name (:data:`BUILTIN`) or ``path/to/file.py:function`` -> the function.
 
-    Raises :class:`UserInputError` for an unknown name, a file that does not exist or does not
-    import, and a name the file does not define (or that is not callable).
+    Raises :class:`UserInputError` for an unknown name (one of :data:`MOVED`: naming the spec to give instead), a
+    file that does not exist or does not import, and a name the file does not define (or that is not callable).
     """
     if spec in BUILTIN:
         return BUILTIN[spec]
+    if spec in MOVED:
+        raise UserInputError(f"{flag} {spec}: {spec} moved to {MOVED[spec].rpartition(':')[0]}: use {flag} "
+                             f"{MOVED[spec]}")
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name:
         raise UserInputError(f"{flag} {spec}: unknown reward function; give a built-in one "
@@ -224,8 +218,10 @@ def load_reward_fn(spec: str, flag: str = "--reward_fn") -> RewardFn:
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: report it in one line
-        raise UserInputError(f"{flag} {spec}: importing {path} failed: {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the user's file (a top-level sys.exit() too): one line
+        raise UserInputError(f"{flag} {spec}: importing {path} failed: {_raised(e)}") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise UserInputError(f"{flag} {spec}: {path} defines no {name!r}")
@@ -270,22 +266,63 @@ def _number(score) -> Optional[float]:
     return None
 
 
+SLOW_REWARD_SECONDS = 60.0  # a reward function still running after this long is named in one line (it may hang)
+
+
+def _raised(e: BaseException) -> str:
+    """What a user's function raised, for the error line: ``SystemExit(0)`` says that it ended the process."""
+    if isinstance(e, SystemExit):
+        return (f"SystemExit({e.code!r}) (sys.exit()/exit() in a reward function would end the whole run: return "
+                "one score per answer instead)")
+    return f"{type(e).__name__}: {e}"
+
+
+def _warn_when_slow(where: str, n: int, seconds: Optional[float]):
+    """A started daemon timer that says, once, that the reward function has not returned after ``seconds`` (None
+    or ≤ 0: no timer); cancel it when the function returns."""
+    import sys
+    import threading
+
+    if not seconds or seconds <= 0:
+        return None
+
+    def say():
+        print(f"warning: {where} has not returned after {seconds:g} s (scoring {n} answers); the run waits for it "
+              "(a network call, a lock or input() can hold it for ever: Ctrl-C stops the run)", file=sys.stderr,
+              flush=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def call_reward_fn(fn: RewardFn, spec: str, prompts: List[str], answers: List[str], rows: List[dict],
-                   flag: str = "--reward_fn") -> List[float]:
+                   flag: str = "--reward_fn", slow_after: Optional[float] = None) -> List[float]:
     """``fn(prompts, answers, rows)`` as a list of finite floats, one per answer; anything else is a
-    :class:`UserInputError` naming the function and the offending row."""
+    :class:`UserInputError` naming the function and the offending row: what it raises, ``SystemExit`` included
+    (``sys.exit()`` in the function: the run must not end there as a success), but not ``KeyboardInterrupt``
+    (Ctrl-C while it runs is the run's). Still running after ``slow_after`` seconds (default
+    :data:`SLOW_REWARD_SECONDS`): one warning line saying so."""
     where = f"{flag} {spec}"
+    timer = _warn_when_slow(where, len(answers), SLOW_REWARD_SECONDS if slow_after is None else slow_after)
     try:
         scores = fn(list(prompts), list(answers), list(rows))
-    except Exception as e:  # noqa: BLE001 - find the row it fails on, then one line
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - SystemExit too: find the row it fails on, then one line
         for i in range(len(answers)):
             try:
                 fn([prompts[i]], [answers[i]], [rows[i]])
-            except Exception as row_error:  # noqa: BLE001
-                raise UserInputError(f"{where} raised {type(row_error).__name__}: {row_error} on "
-                                     f"{_describe(prompts, i)}") from None
-        raise UserInputError(f"{where} raised {type(e).__name__}: {e} (on a batch of {len(answers)} answers; "
+            except KeyboardInterrupt:
+                raise
+            except BaseException as row_error:  # noqa: BLE001
+                raise UserInputError(f"{where} raised {_raised(row_error)} on {_describe(prompts, i)}") from None
+        raise UserInputError(f"{where} raised {_raised(e)} (on a batch of {len(answers)} answers; "
                              "no single row raises)") from None
+    finally:
+        if timer is not None:
+            timer.cancel()
     if not _is_sequence(scores):  # a dict would give its keys, a string its characters, a set no order
         raise UserInputError(f"{where} returned {type(scores).__name__}, not a list of {len(answers)} "
                              "scores (one number per answer)")

@@ -29,16 +29,20 @@ from utils.arguments import ADAM_BETAS
 from utils.checkpoint import resumable_loader
 from utils.distributed import get_world_size, init_distributed
 from utils.logger import TrainLogger
-from utils.runtime import resolve_dtype, set_random_seed
+from utils.runtime import cpu_bf16_warning, resolve_dtype, set_random_seed
 
 
 def start_run(args, name: str):
     """``(device, log)``: the process group (sets ``args.local_rank`` / ``global_rank``), ``--dtype``'s
-    device default, the seed, and a :class:`~utils.logger.TrainLogger` called ``name``."""
+    device default, the seed, and a :class:`~utils.logger.TrainLogger` called ``name``; bf16 on a CPU without bf16
+    instructions is one warning line naming the faster setting (:func:`utils.runtime.cpu_bf16_warning`)."""
     device = init_distributed(args)
     resolve_dtype(args)
     set_random_seed(args.seed)
     log = TrainLogger(name, args.enable_tensorboard, args.tensorboard_path, metrics_dir=args.output_dir)
+    slow = cpu_bf16_warning(args, device)  # bf16 on a CPU without bf16 instructions: say why the steps crawl
+    if slow:
+        log.warning(slow)
     return device, log
 
 

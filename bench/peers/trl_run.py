@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """One TRL trainer on the peer bench's data, timed step by step: run by ``bench/bench_peers.py`` inside the peer
 virtual environment (TRL is never a dependency of this project; this file imports it and nothing of the project
-except the pure-Python gsm8k reward, through ``PYTHONPATH``).
+except the pure-Python rewards: gsm8k, through ``PYTHONPATH``, and the real-model bench's ``ifeval_guarded``, by
+its file).
 
     python bench/peers/trl_run.py grpo --model DIR --data FILE --out DIR --steps 8 [--batch 16 ...]
 
@@ -15,6 +16,10 @@ import argparse
 import json
 import os
 import time
+
+# the real-model bench's reward, by the file hook step 3's --reward_fn takes (utils.reward_functions.load_reward_fn)
+GUARDED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ifeval_reward.py") + \
+    ":ifeval_guarded"
 
 
 def read_jsonl(path: str) -> list:
@@ -70,7 +75,8 @@ def common_args(args) -> dict:
 
 def grpo_task(args):
     """``(dataset, reward function)`` of ``--task``: GSM8K questions scored by the last number (our ``gsm8k``), or
-    IFEval-format rows scored by our ``ifeval_guarded`` (the rows' instruction ids and kwargs reach it as columns)."""
+    IFEval-format rows scored by the real-model bench's ``ifeval_guarded`` (the rows' instruction ids and kwargs reach
+    it as columns), loaded as step 3 loads it: ``--reward_fn bench/ifeval_reward.py:ifeval_guarded``."""
     from datasets import Dataset
 
     from utils import reward_functions
@@ -93,8 +99,10 @@ def grpo_task(args):
                                                                         "reference_output") if k in r})}
                                   for r in rows])
 
+        guarded = reward_functions.load_reward_fn(GUARDED)
+
         def reward(prompts, completions, row, **kwargs):
-            return reward_functions.ifeval_guarded([""] * len(row), texts(completions), [json.loads(r) for r in row])
+            return guarded([""] * len(row), texts(completions), [json.loads(r) for r in row])
     return data, reward
 
 

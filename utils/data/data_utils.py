@@ -53,8 +53,8 @@ from utils.data.raw_datasets import get_raw_dataset
 from utils.data.split import get_split_index
 from utils.errors import UserInputError
 from utils.files import content_hash
-from utils.reward_functions import REFERENCE
 
+REFERENCE = "reference_answer"  # the key under which a phase-3 row carries the adapter's answer (module docstring)
 CACHE_VERSION = 3  # 2: phase-3 samples carry their prompt text and dataset row; 3: stats count texts cut
 # Phase 3's rows (portable_row), in phase 3's cache key only (steps 1 and 2 keep theirs, and their resumes):
 # 2: list and object fields kept (IFEval's instruction_id_list and kwargs)

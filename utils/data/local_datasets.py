@@ -126,7 +126,7 @@ LOCAL_LAYOUTS = (
 def detect_layout(keys):
     """The row layout of a local file from its first row's keys (None if unknown). A row with ``instruction`` and
     ``prompt`` but no answer (``output``/``chosen``/``rejected``) is a prompt row, not alpaca: the IFEval data
-    builder's (:mod:`utils.data.ifeval_data`) keep the bare instruction beside the prompt."""
+    builder's (``bench/ifeval_data.py``) keep the bare instruction beside the prompt."""
     keys = set(keys)
     answers = keys & {"output", "chosen", "rejected"}
     if "conversations" in keys:

@@ -28,6 +28,11 @@ is tested offline.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
+
 import argparse
 import os
 import shutil
@@ -144,9 +149,25 @@ def main():
     parser.add_argument("--name", default="tiny-opt", choices=TINY_MODELS)
     args = parser.parse_args()
     src = resolve_model_path(args.name)
-    shutil.copytree(src, args.out_dir, dirs_exist_ok=True)
+    try:
+        shutil.copytree(src, args.out_dir, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as e:  # OUT_DIR a file, not writable, a full disk: one line
+        from utils.errors import UserInputError
+
+        raise UserInputError(f"{args.out_dir}: cannot write the model there ({e})") from None
     print(f"wrote {args.name} to {args.out_dir}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # run_main's rules by hand: utils.entrypoint reaches this module (an import cycle)
+    import sys
+
+    from utils.errors import BAD_INPUT, INTERRUPTED, UserInputError
+
+    try:
+        main()
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
+    except KeyboardInterrupt:
+        print("\ninterrupted; the folder may hold a partial copy (rerun to complete it)", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)

@@ -1,6 +1,6 @@
 """IFEval-style prompts from alpaca instructions: each with one or two verifiable constraints written after it.
 
-    python -m utils.data.ifeval_data --alpaca ../shared/data/llama-factory-demo/alpaca_en_demo.json \\
+    .venv/bin/python bench/ifeval_data.py --alpaca ../shared/data/llama-factory-demo/alpaca_en_demo.json \\
         --out DIR --seed 1234
     python step3_rlhf_finetuning/main.py --data_path DIR/train.jsonl --data_split 0,0,1 --reward_fn ifeval ...
 
@@ -44,6 +44,11 @@ TYPE=W,...`` draws the named types W times as often in the training rows (more p
 finds hard); the held-out rows are drawn as without it. Pure Python: no torch import.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
+    from utils.interrupt import exit_quietly_on_ctrl_c
+
+    exit_quietly_on_ctrl_c()
 
 import argparse
 import json
@@ -211,13 +216,33 @@ def read_alpaca(path: str) -> List[dict]:
     strings, ``input`` a string or absent."""
     if not os.path.isfile(path):
         raise UserInputError(f"--alpaca {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read().lstrip("\ufeff")
     try:
-        rows = json.loads(text) if text.lstrip().startswith("[") else \
-            [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as e:
-        raise UserInputError(f"--alpaca {path}: not a JSON list or JSON lines of alpaca rows ({e})") from None
+        with open(path, encoding="utf-8") as f:
+            text = f.read().lstrip("\ufeff")
+    except UnicodeDecodeError as e:
+        raise UserInputError(f"--alpaca {path}: not UTF-8 text ({e.reason} at byte {e.start}): not a JSON file of "
+                             "alpaca rows") from None
+    except OSError as e:
+        raise UserInputError(f"--alpaca {path}: cannot read it ({e.strerror or e})") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except ValueError as e:
+            raise UserInputError(f"--alpaca {path}: not a JSON list or JSON lines of alpaca rows ({e})") from None
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise UserInputError(f"--alpaca {path}: line {number} is not JSON ({e}); give a JSON list or JSON "
+                                     "lines of alpaca rows") from None
+    if not isinstance(rows, list) or not rows:
+        raise UserInputError(f"--alpaca {path}: no alpaca rows in it (" + ("an empty file" if not text.strip() else
+                             f"a JSON {type(rows).__name__}" if not isinstance(rows, list) else "an empty list")
+                             + "); give a JSON list or JSON lines of instruction/input/output rows")
     for i, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise UserInputError(f"--alpaca {path}: row {i} is not an object of alpaca fields")
@@ -360,4 +385,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.entrypoint import run_script
+
+    run_script(main)
