@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass, field
 
 from step3_rlhf_finetuning.algorithms import run_title  # the config and specs are pure: no torch
-from step3_rlhf_finetuning.config import CRITIC_ONLY_FLAGS, PPOConfig, RewardConfig, field_defaults
+from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, KNOB_CLASSES, REWARD, RL, PPOConfig, RewardConfig,
+                                          add_knob_args)
 from utils.arguments import ZERO_STAGES, HelpFormatter, add_sampling_args, positive_int  # pure: no torch
 from utils.errors import BAD_INPUT, DIVERGED, INTERRUPTED, OUT_OF_MEMORY, UserInputError
 from utils.run_folder import RUN_LOG, RunFolder
@@ -311,38 +312,73 @@ def reward_from_actor(args) -> bool:
     return args.demo and args.reward_model == args.actor_model
 
 
-def step3_models(flags: list) -> tuple[bool, bool]:
-    """(critic, reward model): which step-2-based models step 3 builds with these flags. A critic for PPO only;
-    a reward model unless a reward function alone scores (``--reward_fn`` without ``--reward_fn_weight``)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--advantage_estimator", default=field_defaults(PPOConfig)["advantage_estimator"])
-    parser.add_argument("--reward_fn", default=None)
-    parser.add_argument("--reward_fn_weight", type=float, default=None)
-    known, _ = parser.parse_known_args(flags)
+class _LenientParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parse_step3_knobs(flags: list) -> argparse.Namespace:
+    """Step 3's RL, reward and sampling knobs as ``flags`` set them, parsed once with the knobs' own declarations
+    (:func:`step3_rlhf_finetuning.config.knob`: no torch). Names are kept as given (step 3's own parser refuses an
+    unknown one: :func:`check_step_flags`); flags it cannot parse leave every knob at its default."""
+    parser = _LenientParser(add_help=False)
+    for title in (RL, REWARD):
+        for cls in KNOB_CLASSES:
+            add_knob_args(parser, cls, title)
+    add_sampling_args(parser)
+    for action in parser._actions:
+        action.choices = None
     try:
-        critic = PPOConfig(advantage_estimator=known.advantage_estimator).uses_critic
+        return parser.parse_known_args(flags)[0]
+    except ValueError:
+        return parser.parse_known_args([])[0]
+
+
+def step3_knobs(args) -> argparse.Namespace:
+    """:func:`parse_step3_knobs` of this run's step-3 flags (the demo's and ``--step3-args``), parsed once per run;
+    :func:`check_step_flags` later keeps step 3's full parse (:func:`step_namespace`)."""
+    key = (args.demo, args.step3_args)
+    cached = getattr(args, "_step3_knobs", None)
+    if cached is None or cached[0] != key:
+        flags = (shlex.split(DEMO_ARGS[3]) if args.demo else []) + shlex.split(args.step3_args)
+        args._step3_knobs = cached = (key, parse_step3_knobs(flags))
+    return cached[1]
+
+
+def step_namespace(args, n) -> argparse.Namespace | None:
+    """Step ``n``'s (or "collect"'s) flags as its own parser read them in :func:`check_step_flags`, or None."""
+    return getattr(args, "step_namespaces", {}).get(n)
+
+
+def _knobs(flags_or_knobs) -> argparse.Namespace:
+    return parse_step3_knobs(flags_or_knobs) if isinstance(flags_or_knobs, list) else flags_or_knobs
+
+
+def step3_models(knobs) -> tuple[bool, bool]:
+    """(critic, reward model): which step-2-based models step 3 builds with these knobs (:func:`step3_knobs`, or a
+    list of flags). A critic for PPO only; a reward model unless a reward function alone scores (``--reward_fn``
+    without ``--reward_fn_weight``)."""
+    knobs = _knobs(knobs)
+    try:
+        critic = PPOConfig(advantage_estimator=knobs.advantage_estimator).uses_critic
     except ValueError:  # an unknown estimator: step 3 refuses it with its own message
         return True, True
-    return critic, RewardConfig(fn=known.reward_fn, fn_weight=known.reward_fn_weight).uses_model
+    return critic, RewardConfig(fn=knobs.reward_fn, fn_weight=knobs.reward_fn_weight).uses_model
 
 
-def step3_title(flags: list) -> str:
-    """Step 3's algorithm as its flags choose it ("PPO", "GRPO", "GRPO with GSPO's loss"): train.py's step name and the
-    summary's, so a critic-free run is not called PPO."""
-    parser = argparse.ArgumentParser(add_help=False)
-    defaults = field_defaults(PPOConfig)
-    parser.add_argument("--advantage_estimator", default=defaults["advantage_estimator"])
-    parser.add_argument("--policy_loss", default=defaults["policy_loss"])
-    known, _ = parser.parse_known_args(flags)
+def step3_title(knobs) -> str:
+    """Step 3's algorithm as its knobs (:func:`step3_knobs`, or a list of flags) choose it ("PPO", "GRPO", "GRPO with
+    GSPO's loss"): train.py's step name and the summary's, so a critic-free run is not called PPO."""
+    knobs = _knobs(knobs)
     try:
-        return run_title(known.advantage_estimator, known.policy_loss)
+        return run_title(knobs.advantage_estimator, knobs.policy_loss)
     except ValueError:  # an unknown name: step 3's parser refuses it with its own message
-        return run_title(defaults["advantage_estimator"], defaults["policy_loss"])
+        return run_title(PPOConfig.advantage_estimator, PPOConfig.policy_loss)
 
 
 def step3_uses_step2(args) -> bool:
     """Whether step 3 reads the step-2 folder (for its critic or its reward model)."""
-    return any(step3_models(extra_flags(args, 3)))
+    return any(step3_models(step3_knobs(args)))
 
 
 def drop_flags(flags: list, names) -> list:
@@ -388,7 +424,7 @@ def step_flags(args, n: int) -> list:
 def extra_flags(args, n: int) -> list:
     demo = shlex.split(DEMO_ARGS[n]) if args.demo else []
     user = shlex.split(getattr(args, f"step{n}_args"))
-    if n == 3 and demo and not step3_models(demo + user)[0]:  # a critic-free estimator: the demo's critic flags go
+    if n == 3 and demo and not step3_models(step3_knobs(args))[0]:  # critic-free: the demo's critic flags go
         demo = drop_flags(demo, CRITIC_ONLY_FLAGS)
     return demo + (["--overwrite"] if args.overwrite else []) + user
 
@@ -431,7 +467,7 @@ def plan_collect(args) -> Launch:
 def plan_step(args, n: int, gpus: int) -> Launch:
     step = STEPS[n]
     if n == 3:
-        step = dataclasses.replace(step, title=f"RLHF with {step3_title(extra_flags(args, 3))}")
+        step = dataclasses.replace(step, title=f"RLHF with {step3_title(step3_knobs(args))}")
     out = step_output_dir(args, n)
     needs = [(1, step_output_dir(args, 1))] + ([(2, step_output_dir(args, 2))] if step3_uses_step2(args) else []) \
         if n == 3 else []
@@ -532,6 +568,7 @@ def check_step_flags(args, plan: list) -> None:
     from utils.data.raw_datasets import from_hub
     from utils.reward_functions import load_reward_fn
 
+    args.step_namespaces = {}  # each step's parse, kept for what train.py derives from its flags (step_namespace)
     for launch in plan:
         module = f"{launch.step.folder}.{launch.step.script.removesuffix('.py')}"
         which = "--collect-args" if launch.step is COLLECT else f"--step{launch.step.number}-args"
@@ -546,6 +583,7 @@ def check_step_flags(args, plan: list) -> None:
             said = [line.split("error: ", 1)[1] for line in errors.getvalue().splitlines() if "error: " in line]
             raise PlanError(f"step {launch.step.number} ({launch.step.title}) would refuse its flags: "
                             f"{said[-1] if said else errors.getvalue().strip()} (check {which}); nothing was run")
+        args.step_namespaces["collect" if launch.step is COLLECT else launch.step.number] = parsed
         for flag in ("label_fn", "reward_fn"):
             spec = getattr(parsed, flag, None)
             if spec:
@@ -717,14 +755,9 @@ def chat_once(actor_dir: str, question: str) -> None:
 def builtin_dataset(args) -> str | None:
     """The built-in dataset (``--data_path builtin/...``) the run's steps train on, or None."""
     for n in args.step:
-        flags = extra_flags(args, n)
-        for i, flag in enumerate(flags):
-            if flag == "--data_path":
-                for value in flags[i + 1:]:
-                    if value.startswith("--"):
-                        break
-                    if value.startswith("builtin/"):
-                        return value
+        for value in flag_value(extra_flags(args, n), "--data_path"):
+            if value.startswith("builtin/"):
+                return value
     return None
 
 
@@ -732,9 +765,7 @@ def step3_sampling(args) -> dict | None:
     """Step 3's sampling settings ``{"temperature", "top_k", "top_p"}`` from its flags, or None if it ran greedy."""
     if 3 not in args.step:
         return None
-    parser = argparse.ArgumentParser(add_help=False)
-    add_sampling_args(parser)
-    flags, _ = parser.parse_known_args(extra_flags(args, 3))
+    flags = step_namespace(args, 3) or step3_knobs(args)  # step 3's own parse once check_step_flags ran
     return {"temperature": flags.temperature, "top_k": flags.top_k, "top_p": flags.top_p} if flags.do_sample else None
 
 
@@ -782,7 +813,8 @@ def main(args) -> int:
     folders = {n: step_output_dir(args, n) for n in STEPS}
     dataset = builtin_dataset(args)
     heldout = heldout_check(folders, dataset, step3_sampling(args)) if dataset else None
-    print(write_summary(args.output_dir, folders, times, heldout, step3_title(extra_flags(args, 3))), flush=True)
+    print(write_summary(args.output_dir, folders, times, heldout,
+                        step3_title(step_namespace(args, 3) or step3_knobs(args))), flush=True)
     actor = model_dir(folders[3] if 3 in args.step else folders[1])
     if args.demo and actor:
         chat_once(actor, DEMO_QUESTION)

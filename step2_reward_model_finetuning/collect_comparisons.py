@@ -167,7 +167,8 @@ def run(args, folder, data: dict, label_fn) -> dict:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device,
-                                        apply_chat_template=args.apply_chat_template)
+                                        apply_chat_template=args.apply_chat_template,
+                                        trust_remote_code=args.trust_remote_code)
 
     # ---- answer, label, pair; then write everything at once
     start, written, report = time.time(), {}, {}

@@ -3,41 +3,72 @@
 The engine (:class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine`) reads an
 :class:`EngineConfig`, the trainer (:class:`~step3_rlhf_finetuning.ppo_trainer.DeepSpeedPPOTrainer`)
 a :class:`PPOConfig`, a :class:`RewardConfig` and a :class:`GenerationConfig`; neither sees the
-argparse namespace. The dataclasses hold the defaults: the flags take theirs from here (a test
-checks that they agree), so a test builds ``PPOConfig(kl_ctl=0.2)`` and nothing else.
+argparse namespace.
+
+Each step-3 knob is declared once, as a :func:`knob` field: its default, its help text, its flag's name (the
+field's unless ``flag=``), its choices, its range and its help group. Step 3's command line
+(:mod:`step3_rlhf_finetuning.cli`) adds a flag for each (:func:`add_knob_args`), :meth:`Step3Config.from_args` copies
+each back (:func:`from_args_fields`) and the range checks read the declared ranges (:func:`knob_ranges`), so a
+test builds ``PPOConfig(kl_ctl=0.2)`` and a new knob is one field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from step3_rlhf_finetuning.algorithms import (ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, EstimatorSpec,
-                                              PolicyLossSpec, estimator_spec, policy_loss_spec, run_title)
+from step3_rlhf_finetuning.algorithms import (ESTIMATOR_ALIASES, ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
+                                              EstimatorSpec, PolicyLossSpec, default_help, estimator_spec,
+                                              policy_loss_spec, run_title)
 
 if TYPE_CHECKING:  # this module stays free of torch: train.py reads the RL rules from it
     from utils.training import OptimConfig
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How the actor answers (``--max_*_seq_len``, sampling, ``--generation_backend``, ``--generation_dtype``)."""
-    max_prompt_seq_len: int = 256
-    max_answer_seq_len: int = 256
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    backend: str = "auto"
-    dtype: str | None = None  # --generation_dtype: generate from a copy of the actor in this dtype (None: the actor)
-    eot_token: str | None = None  # the answer-ending token besides the EOS: the chat template's end of turn
-    # (--apply_chat_template) or the --eot_token that --add_eot_token added; else None
-    print_answers: bool = False
-    print_answers_interval: int = 1
+# --------------------------------------------------------------------------- knobs
 
-    @property
-    def logprob_temperature(self) -> float:
-        """The temperature of the distribution answers are drawn from (1 when greedy), as TRL."""
-        return self.temperature if self.do_sample else 1.0
+class Check(NamedTuple):
+    """One range check of a knob: ``ok(value)``, else "--FLAG must be ``meaning``, got VALUE"."""
+    ok: Callable
+    meaning: str
+
+
+def _finite(v) -> bool:
+    return math.isfinite(v)
+
+
+# SHARED_RANGE: the knob's range sits in utils.arguments.NUMBER_RANGES instead (callers check it with
+# utils.arguments.validate_common alone, and utils never imports a step); every other knob declares its range here.
+AT_LEAST_1 = (Check(lambda v: v >= 1, "≥ 1"),)
+FINITE_AT_LEAST_0 = (Check(lambda v: _finite(v) and v >= 0, "a finite number ≥ 0"),)
+UNIT_INTERVAL = FINITE_AT_LEAST_0 + (Check(lambda v: v <= 1, "between 0 and 1"),)  # a discount, GAE's λ
+
+
+def knob(default, help, *, flag: str | None = None, group: str | None = None, range: tuple = (),
+         choices=None, metavar: str | None = None, action=None, negate: bool = False, shared: bool = False):
+    """A config field that is a step-3 flag. ``help`` and ``choices`` may be callables (evaluated when the parser is
+    built, so this module need not import what they name). ``flag``: the flag's name when it is not the field's;
+    ``negate``: the flag is a switch that turns the field off (``--unpin_actor_parameters`` → ``pin_parameters``);
+    ``shared``: the flag is declared by a shared helper of :mod:`utils.arguments` (the sampling flags), so the parser
+    leaves it out and only :meth:`Step3Config.from_args` reads it; ``range``: :class:`Check` s, in order (a value of
+    None, "not given", passes)."""
+    return field(default=default, metadata={"knob": True, "help": help, "flag": flag, "group": group,
+                                            "range": tuple(range), "choices": choices, "metavar": metavar,
+                                            "action": action, "negate": negate, "shared": shared})
+
+
+def _resolve(value):
+    return value() if callable(value) else value
+
+
+def knob_fields(cls) -> list:
+    """The :func:`knob` fields of a config dataclass, in declaration order."""
+    return [f for f in fields(cls) if f.metadata.get("knob")]
+
+
+def flag_name(f) -> str:
+    """The flag (its argparse ``dest``) of a :func:`knob` field."""
+    return f.metadata["flag"] or f.name
 
 
 def field_defaults(cls) -> dict:
@@ -45,11 +76,120 @@ def field_defaults(cls) -> dict:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
+def add_knob_args(group, cls, group_title: str) -> None:
+    """Add to argparse ``group`` one flag for each :func:`knob` of ``cls`` whose help group is ``group_title``: its
+    name, type (the field's), default, choices, metavar and help all from the declaration."""
+    import argparse
+
+    for f in knob_fields(cls):
+        meta = f.metadata
+        if meta["shared"] or meta["group"] != group_title:
+            continue
+        kwargs = {"help": _resolve(meta["help"])}
+        kind = f.type.split("|")[0].strip() if isinstance(f.type, str) else f.type.__name__
+        if meta["action"] == "boolean_optional":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=f.default)
+        elif kind == "bool":
+            kwargs.update(action="store_true")
+        else:
+            kwargs.update(default=f.default)
+            if meta["choices"] is not None:
+                kwargs["choices"] = tuple(_resolve(meta["choices"]))
+            elif kind in ("int", "float"):
+                kwargs["type"] = {"int": int, "float": float}[kind]
+            else:
+                kwargs["type"] = str
+            if meta["metavar"]:
+                kwargs["metavar"] = meta["metavar"]
+        group.add_argument(f"--{flag_name(f)}", **kwargs)
+
+
+def from_args_fields(cls, args, **overrides):
+    """``cls`` built from the parsed flags: each :func:`knob` field from its flag, the rest from ``overrides``."""
+    values = {}
+    for f in knob_fields(cls):
+        value = getattr(args, flag_name(f))
+        values[f.name] = (not value) if f.metadata["negate"] else value
+    values.update(overrides)
+    return cls(**values)
+
+
+def knob_ranges(classes=None) -> tuple:
+    """``(flag, Check)`` for every declared range of the step-3 knobs (:func:`utils.arguments.check_number_flags`
+    applies them with the shared flags' :data:`utils.arguments.NUMBER_RANGES`)."""
+    classes = classes or KNOB_CLASSES
+    return tuple((flag_name(f), check) for cls in classes for f in knob_fields(cls) for check in f.metadata["range"])
+
+
+def _builtin_reward_fns() -> str:
+    from utils.reward_functions import BUILTIN
+
+    return ", ".join(BUILTIN)
+
+
+def _generation_backends() -> tuple:
+    from utils.generation import BACKENDS
+
+    return BACKENDS
+
+
+def _kl_estimators() -> tuple:
+    from utils.rl_math import KL_ESTIMATORS
+
+    return KL_ESTIMATORS
+
+
+def _estimator_help() -> str:
+    specs = ESTIMATORS.values()
+    return ("; ".join(f"{s.name} = {s.title}" + (f" ({', '.join(s.aliases)})" if s.aliases else "") for s in specs)
+            + ". Only gae has a critic; " + ", ".join(s.name for s in specs if s.group)
+            + " compare the answers of one prompt (--n_samples_per_prompt ≥ 2). docs/algorithms.md.")
+
+
+# --------------------------------------------------------------------------- the configs
+
+DATA, REWARD, RL, DAPO, PPO, GENERATION, HYBRID = ("step 3 data", "reward", "RL algorithm", "DAPO's pieces", "PPO",
+                                                   "generation", "hybrid engine and offload")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How the actor answers (``--max_*_seq_len``, sampling, ``--generation_backend``, ``--generation_dtype``)."""
+    max_prompt_seq_len: int = knob(256, "Prompts are left-padded to this; longer prompts are dropped (with a count).",
+                                   group=DATA, range=AT_LEAST_1)
+    max_answer_seq_len: int = knob(256, "Tokens generated per answer (at most).", group=DATA, range=AT_LEAST_1)
+    do_sample: bool = knob(False, None, shared=True)  # utils.arguments.add_sampling_args (shared with chat.py)
+    temperature: float = knob(1.0, None, shared=True)
+    top_k: int = knob(0, None, shared=True)
+    top_p: float = knob(1.0, None, shared=True)
+    backend: str = knob("auto", "How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
+                                "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, "
+                                "hf on CPU. Falls back to hf, saying why, for ZeRO-3 and unchecked architectures.",
+                        flag="generation_backend", group=GENERATION, choices=_generation_backends)
+    dtype: str | None = knob(  # generate from a copy of the actor in this dtype (None: the actor)
+        None, "Generate from a bf16 copy of the actor, refreshed from its weights before each generation (default: "
+              "the actor itself). With --torch_autocast the actor's weights are fp32 and generation runs the norms "
+              "and the KV cache in fp32; the copy is faster. The training pass and its log-probs stay on the actor. "
+              "Costs 2 bytes of memory a parameter. Not with ZeRO-3 or the hybrid engine.",
+        flag="generation_dtype", group=GENERATION, choices=("bf16",))
+    eot_token: str | None = None  # the answer-ending token besides the EOS: the chat template's end of turn
+    # (--apply_chat_template) or the --eot_token that --add_eot_token added; else None
+    print_answers: bool = knob(False, "Print prompts and answers during training.", group=GENERATION)
+    print_answers_interval: int = knob(1, "... every this many generation batches.", group=GENERATION,
+                                       range=AT_LEAST_1)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution answers are drawn from (1 when greedy), as TRL."""
+        return self.temperature if self.do_sample else 1.0
+
+
 # Flags only the critic reads: refused when no critic is built (a critic-free --advantage_estimator)
 CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_zero_stage", "critic_dropout",
                      "critic_gradient_checkpointing", "critic_lora_dim", "critic_lora_module_name",
                      "critic_lora_learning_rate", "cliprange_value", "lam", "align_overflow")
 DYNAMIC_SAMPLING_BATCHES = 4  # --dynamic_sampling_max_batches left unset: this many times --generation_batches
+EMA_BETA = 0.992
 
 
 @dataclass(frozen=True)
@@ -60,29 +200,63 @@ class PPOConfig:
     ``kl_estimator``, ``loss_agg`` (the policy loss's where it fixes one, else the estimator's), ``cliprange`` and
     ``cliprange_high`` (``--cliprange`` when only that is given); ``dynamic_sampling_max_batches``:
     :data:`DYNAMIC_SAMPLING_BATCHES` × ``generation_batches``."""
-    advantage_estimator: str = "gae"
-    policy_loss: str = "ppo"
-    n_samples_per_prompt: int = 1
-    kl_ctl: float = 0.1
-    kl_estimator: str | None = None
-    use_kl_loss: bool | None = None
-    loss_agg: str | None = None
-    clip_reward_value: float = 5.0
-    cliprange: float | None = None
-    cliprange_high: float | None = None
-    cliprange_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    ppo_epochs: int = 1
-    generation_batches: int = 1
-    mask_truncated_answers: bool = False  # answers without an end token (cut at --max_answer_seq_len): no loss
-    overlong_penalty: int = 0  # DAPO's soft length penalty over the last this many tokens before the cap (0: off)
-    overlong_penalty_weight: float = 1.0  # its weight in the score: −weight at the cap (DAPO: 1)
-    dynamic_sampling: bool = False  # DAPO: groups whose scores are all equal are dropped, the round refilled
-    dynamic_sampling_max_batches: int | None = None  # the most generation batches one round may draw
-    unsup_coef: float = 27.8
-    align_overflow: bool = False  # fp16 only (from_args turns it off, with a warning, for other dtypes)
-    ema_beta: float = 0.992  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
+    advantage_estimator: str = knob("gae", _estimator_help, group=RL,
+                                    choices=lambda: tuple(ESTIMATORS) + tuple(ESTIMATOR_ALIASES))
+    policy_loss: str = knob(
+        "ppo", lambda: "The actor's per-token loss, with any estimator: "
+                       + "; ".join(f"{s.name} = {s.title}" for s in POLICY_LOSSES.values())
+                       + " (ppo: the token ratio's clipped surrogate; gspo: the answer's ratio, clipped per answer; "
+                         "cispo: the clipped importance weight, detached, times the log-prob).",
+        group=RL, choices=lambda: tuple(POLICY_LOSSES))
+    n_samples_per_prompt: int = knob(1, "Answers sampled per prompt (G); they form one group.", group=RL)
+    kl_ctl: float = knob(0.1, "KL penalty coefficient β.", group=PPO, range=FINITE_AT_LEAST_0)
+    kl_estimator: str | None = knob(
+        None, lambda: "KL(actor || reference) estimator: k1 = log-ratio, k2 = ½·log-ratio², k3 = unbiased and ≥ 0 "
+                      f"(default: {default_help('kl_estimator')}).", group=RL, choices=_kl_estimators)
+    use_kl_loss: bool | None = knob(
+        None, lambda: "KL penalty in the loss (β·KL, β = --kl_ctl, aggregated as --loss_agg) instead of in the reward "
+                      f"(default: {default_help('use_kl_loss')}, as in their papers).",
+        group=RL, action="boolean_optional")
+    loss_agg: str | None = knob(
+        None, lambda: "How the actor's per-token losses of an optimizer step make its loss (verl's names): "
+                      + "; ".join(f"{name} = {text}" for name, text in LOSS_AGGREGATIONS.items())
+                      + f". Default: {default_help('loss_agg')}.", group=RL, choices=lambda: tuple(LOSS_AGGREGATIONS))
+    clip_reward_value: float = knob(5.0, "Scores are clipped to ±this.", group=PPO)  # range: SHARED_RANGE
+    cliprange: float | None = knob(
+        None, lambda: "ε_low: the actor loss clips its ratio (cispo: its weight) below at 1 − ε_low (default: "
+                      f"{default_help('cliprange')}).", group=PPO, range=FINITE_AT_LEAST_0)
+    cliprange_high: float | None = knob(
+        None, lambda: "ε_high: the upper clip at 1 + ε_high (DAPO's clip-higher when above --cliprange; default: "
+                      f"{default_help('cliprange_high')}).", group=PPO, range=FINITE_AT_LEAST_0)
+    cliprange_value: float = knob(0.2, "Value clip of the critic loss (gae).", group=PPO, range=FINITE_AT_LEAST_0)
+    gamma: float = knob(1.0, "Discount γ.", group=PPO, range=UNIT_INTERVAL)
+    lam: float = knob(0.95, "GAE λ (gae).", group=PPO, range=UNIT_INTERVAL)
+    ppo_epochs: int = knob(1, "Passes of training over each round's experience.", group=PPO, range=AT_LEAST_1)
+    generation_batches: int = knob(1, "Generation batches collected before each round of training.", group=PPO,
+                                   range=AT_LEAST_1)
+    mask_truncated_answers: bool = knob(  # answers without an end token (cut at --max_answer_seq_len): no loss
+        False, "Answers cut at --max_answer_seq_len (no end token) count in no loss; they keep their place in their "
+               "group's statistics.", group=DAPO)
+    overlong_penalty: int = knob(  # DAPO's soft length penalty over the last this many tokens before the cap (0: off)
+        0, "DAPO's soft overlong penalty, added to the score: 0 up to --max_answer_seq_len − L tokens, then falling "
+           "linearly to −1 at --max_answer_seq_len (0 = off).", group=DAPO, metavar="L")
+    overlong_penalty_weight: float = knob(  # its weight in the score: −weight at the cap (DAPO: 1)
+        1.0, "The overlong penalty's weight in the score: it falls to −W at --max_answer_seq_len (default: DAPO's 1; "
+             "TRL's reward_weights for get_soft_overlong_punishment).", group=DAPO, metavar="W",
+        range=(Check(lambda v: _finite(v) and v > 0, "a finite number > 0 (--overlong_penalty 0 turns the penalty "
+                                                     "off)"),))
+    dynamic_sampling: bool = knob(  # DAPO: groups whose scores are all equal are dropped, the round refilled
+        False, "Drop the groups whose answers all score the same (no advantage to learn from) and refill the round "
+               "from further prompt batches, up to --dynamic_sampling_max_batches; counts logged. Needs "
+               "--n_samples_per_prompt ≥ 2.", group=DAPO)
+    dynamic_sampling_max_batches: int | None = knob(  # the most generation batches one round may draw
+        None, "The most generation batches one round may draw with --dynamic_sampling (default: "
+              f"{DYNAMIC_SAMPLING_BATCHES} × --generation_batches); when they give too few groups, the round is "
+              "filled with groups masked out of every loss.", group=DAPO)
+    unsup_coef: float = knob(27.8, "γ of InstructGPT's Eq. 2: weight of the LM loss.", group=DATA)  # SHARED_RANGE
+    align_overflow: bool = knob(  # fp16 only (from_args turns it off, with a warning, for other dtypes)
+        False, "fp16: skip both actor and critic steps when either overflows (gae).", group=PPO)
+    ema_beta: float = EMA_BETA  # θ_ema ← β·θ_ema + (1 − β)·θ_actor, with --enable_ema
 
     def __post_init__(self):
         estimator, loss = estimator_spec(self.advantage_estimator), policy_loss_spec(self.policy_loss)
@@ -128,8 +302,13 @@ class PPOConfig:
 class RewardConfig:
     """Where the reward comes from: the reward model (the engine's ``reward``, when it has one), a reward
     function (``--reward_fn``: :mod:`utils.reward_functions`), or both: ``score = RM + fn_weight · fn``."""
-    fn: str | None = None
-    fn_weight: float | None = None  # None with fn: the function alone (no reward model is loaded)
+    fn: str | None = knob(
+        None, lambda: f"Score answers with a function instead of the reward model: built in {_builtin_reward_fns()}, "
+                      "or path/to/file.py:function (called with the prompts, the answers and the dataset rows; returns "
+                      "one float per answer).", flag="reward_fn", group=REWARD)
+    fn_weight: float | None = knob(  # None with fn: the function alone (no reward model is loaded)
+        None, "Add the function's score, times this, to the reward model's (default: the function alone, and no "
+              "reward model is loaded).", flag="reward_fn_weight", group=REWARD)
 
     @property
     def uses_model(self) -> bool:
@@ -153,12 +332,19 @@ class RoleConfig:
 @dataclass(frozen=True)
 class HybridEngineConfig:
     """DeepSpeed's hybrid engine for the actor (used only where DeepSpeed has a policy for its layers)."""
-    enabled: bool = False
-    inference_tp_size: int = 1
-    release_inference_cache: bool = False
-    pin_parameters: bool = True
-    tp_gather_partition_size: int = 8
-    mixed_precision_lora: bool = False
+    enabled: bool = knob(False, "DeepSpeed hybrid engine for the actor's generation, where DeepSpeed has an inference "
+                                "policy for its layers (none for OPT/Llama under transformers 5: step 3 says so and "
+                                "uses --generation_backend).", flag="enable_hybrid_engine", group=HYBRID)
+    pin_parameters: bool = knob(True, "Hybrid engine: unpin the actor's parameters during generation (less memory, "
+                                      "slower).", flag="unpin_actor_parameters", negate=True, group=HYBRID)
+    release_inference_cache: bool = knob(False, "Hybrid engine: release the inference cache after generation.",
+                                         group=HYBRID)
+    inference_tp_size: int = knob(1, "Hybrid engine: tensor-parallel degree of generation (needs --actor_zero_stage "
+                                     "3).", group=HYBRID, range=AT_LEAST_1)
+    tp_gather_partition_size: int = knob(8, "Hybrid engine: layers gathered at a time for tensor-parallel "
+                                            "generation.", group=HYBRID)  # SHARED_RANGE
+    mixed_precision_lora: bool = knob(False, "Mixed-precision ZeRO++ for LoRA (needs --actor_lora_dim > 0 and "
+                                             "--actor_zero_stage 3).", flag="enable_mixed_precision_lora", group=PPO)
 
 
 @dataclass(frozen=True)
@@ -219,17 +405,8 @@ class Step3Config:
                               gradient_checkpointing=getattr(args, f"{name}_gradient_checkpointing"),
                               grad_accum=grad_accum, offload_frozen=offload_frozen)
 
-        ppo = PPOConfig(advantage_estimator=args.advantage_estimator, policy_loss=args.policy_loss,
-                        n_samples_per_prompt=args.n_samples_per_prompt, kl_ctl=args.kl_ctl,
-                        kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss, loss_agg=args.loss_agg,
-                        clip_reward_value=args.clip_reward_value, cliprange=args.cliprange,
-                        cliprange_high=args.cliprange_high, cliprange_value=args.cliprange_value, gamma=args.gamma,
-                        lam=args.lam, ppo_epochs=args.ppo_epochs, generation_batches=args.generation_batches,
-                        mask_truncated_answers=args.mask_truncated_answers, overlong_penalty=args.overlong_penalty,
-                        overlong_penalty_weight=args.overlong_penalty_weight, dynamic_sampling=args.dynamic_sampling,
-                        dynamic_sampling_max_batches=args.dynamic_sampling_max_batches,
-                        unsup_coef=args.unsup_coef, align_overflow=args.align_overflow and dtype == "fp16")
-        reward = RewardConfig(fn=args.reward_fn, fn_weight=args.reward_fn_weight)
+        ppo = from_args_fields(PPOConfig, args, align_overflow=args.align_overflow and dtype == "fp16")
+        reward = from_args_fields(RewardConfig, args)
         # with mixing, a micro-batch's PPO and LM gradients share one actor update (as DeepSpeed-Chat)
         actor_accum = args.gradient_accumulation_steps * (2 if unsupervised else 1)
         critic = role("critic", args.offload_reward_model, args.gradient_accumulation_steps) \
@@ -246,16 +423,9 @@ class Step3Config:
             only_optimize_lora=args.only_optimize_lora, enable_ema=args.enable_ema, reference=args.kl_ctl > 0,
             num_padding_at_beginning=args.num_padding_at_beginning, trust_remote_code=args.trust_remote_code,
             tensorboard_path=args.tensorboard_path if args.enable_tensorboard else None,
-            hybrid=HybridEngineConfig(enabled=args.enable_hybrid_engine, inference_tp_size=args.inference_tp_size,
-                                      release_inference_cache=args.release_inference_cache,
-                                      pin_parameters=not args.unpin_actor_parameters,
-                                      tp_gather_partition_size=args.tp_gather_partition_size,
-                                      mixed_precision_lora=args.enable_mixed_precision_lora))
-        generation = GenerationConfig(max_prompt_seq_len=args.max_prompt_seq_len,
-                                      max_answer_seq_len=args.max_answer_seq_len, do_sample=args.do_sample,
-                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                      backend=args.generation_backend, dtype=args.generation_dtype,
-                                      eot_token=eot_token,
-                                      print_answers=args.print_answers,
-                                      print_answers_interval=args.print_answers_interval)
+            hybrid=from_args_fields(HybridEngineConfig, args))
+        generation = from_args_fields(GenerationConfig, args, eot_token=eot_token)
         return cls(engine=engine, ppo=ppo, reward=reward, generation=generation, unsupervised=unsupervised)
+
+
+KNOB_CLASSES = (GenerationConfig, RewardConfig, PPOConfig, HybridEngineConfig)  # the configs that declare flags

@@ -94,14 +94,18 @@ def check_room(flag: str, positions: Optional[int], tokenizer, chat, prompts: li
                              f"has {positions} positions, so at most {max(positions - longest, 0)} new tokens fit")
 
 
-def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: bool = False):
+def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: bool = False,
+                     trust_remote_code: bool = False):
     """``(model, tokenizer)`` of a saved causal LM, in eval mode, fp32 on a CPU (the checks' numbers); the tokenizer
-    as the steps load it with ``--apply_chat_template`` when asked."""
+    as the steps load it with ``--apply_chat_template`` when asked; the folder's own code only with
+    ``trust_remote_code``."""
     from transformers import AutoModelForCausalLM
 
     from utils.model.model_utils import load_hf_tokenizer
 
-    tokenizer = load_hf_tokenizer(model_dir, apply_chat_template=apply_chat_template)
+    tokenizer = load_hf_tokenizer(model_dir, apply_chat_template=apply_chat_template,
+                                  trust_remote_code=trust_remote_code)
     dtype = torch.float32 if device == "cpu" else None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto",
+                                                 trust_remote_code=trust_remote_code).to(device).eval()
     return model, tokenizer

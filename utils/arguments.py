@@ -16,6 +16,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 SCHEDULERS = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
 DTYPES = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
+# The help group of the flags an entry point accepts only for DeepSpeed-Chat's scripts: each is refused when given
+# (it would do nothing), or has no effect by design (its help says why); tests/test_flags_used.py holds every other
+# flag to be read by the entry point's code.
+COMPAT_GROUP = "compatibility (DeepSpeed-Chat's flags, not used here)"
 
 
 def single_model_parser(description: str, tensorboard_path: str) -> argparse.ArgumentParser:
@@ -29,10 +33,11 @@ def single_model_parser(description: str, tensorboard_path: str) -> argparse.Arg
     add_deepspeed_args(parser)
     add_logging_args(parser, tensorboard_path=tensorboard_path)
     add_checkpoint_args(parser)
+    add_compat_args(parser)
     return parser
 
 
-def add_data_args(parser: argparse.ArgumentParser):
+def add_data_args(parser: argparse.ArgumentParser, max_seq_len: bool = True):
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="*", default=["Dahoas/rm-static"],
                    help="Datasets: hub names (Dahoas/rm-static …), local/jsonfile, a local .json/.jsonl/.parquet "
@@ -43,7 +48,8 @@ def add_data_args(parser: argparse.ArgumentParser):
                    help="Datasets used whole for phase 1 (SFT) only.")
     g.add_argument("--data_output_path", type=str, default="/tmp/data_files/",
                    help="Where split indices and tokenised data are cached (a local, not shared, folder).")
-    g.add_argument("--max_seq_len", type=int, default=512, help="Maximum sequence length (tokens).")
+    if max_seq_len:  # step 3's lengths are its own (it refuses --max_seq_len in its compatibility group)
+        g.add_argument("--max_seq_len", type=int, default=512, help="Maximum sequence length (tokens).")
     g.add_argument("--add_eot_token", action="store_true",
                    help="Add --eot_token to the tokenizer as a special token.")
     g.add_argument("--eot_token", type=str, default="<|endoftext|>",
@@ -113,6 +119,36 @@ def add_run_args(group, unit: str = "optimizer steps", output: str = "the model"
     group.add_argument("--adam_betas", type=adam_beta, nargs=2, default=list(ADAM_BETAS), metavar=("BETA1", "BETA2"),
                        help="AdamW's betas, of every trained model (DeepSpeed-Chat's 0.9 0.95; transformers' and "
                             "TRL's default is 0.9 0.999).")
+
+
+def add_compat_args(parser: argparse.ArgumentParser):
+    """The :data:`COMPAT_GROUP` of steps 1, 2 and DPO: ``--compute_fp32_loss`` and DeepSpeed's own config flags
+    (step 3 adds its own group, with them)."""
+    g = parser.add_argument_group(COMPAT_GROUP)
+    add_compute_fp32_loss_arg(g)
+    add_deepspeed_config_args(g)
+    return g
+
+
+# DeepSpeed's add_config_arguments flags: the DeepSpeed config is built from the flags, so a config file is refused
+DEEPSPEED_CONFIG_FLAGS = ("deepspeed_config", "deepscale", "deepscale_config")
+
+
+def add_deepspeed_config_args(group) -> None:
+    """The flags ``deepspeed.add_config_arguments`` adds, declared here: ``--deepspeed`` (DeepSpeed-Chat's scripts
+    pass it; DeepSpeed always runs) is accepted; a config file (``--deepspeed_config``, the deprecated
+    ``--deepscale*``) is refused when given (:func:`validate_common`): the config is built from the flags."""
+    group.add_argument("--deepspeed", action="store_true",
+                       help="Accepted for DeepSpeed-Chat's scripts; no effect: DeepSpeed always runs.")
+    group.add_argument("--deepspeed_config", type=str, default=None,
+                       help="Refused when given: the DeepSpeed config is built from the flags.")
+    group.add_argument("--deepscale", action="store_true",
+                       help="Refused when given: deprecated DeepSpeed switch (the config is built from the flags).")
+    group.add_argument("--deepscale_config", type=str, default=None,
+                       help="Refused when given: deprecated DeepSpeed config file (the config is built from the flags).")
+
+
+def add_compute_fp32_loss_arg(group) -> None:
     group.add_argument("--compute_fp32_loss", action="store_true",
                        help="Accepted for DeepSpeed-Chat's scripts; no effect: every loss is computed in fp32 "
                             "(logits are upcast, as in transformers 5's own loss, which DeepSpeed-Chat's steps use).")
@@ -141,7 +177,7 @@ def apply_test_mode(args) -> None:
             args.max_steps = min(args.max_steps, rounds) if args.max_steps else rounds
 
 
-def add_deepspeed_args(parser: argparse.ArgumentParser):
+def add_deepspeed_args(parser: argparse.ArgumentParser, zero_stage: bool = True):
     g = parser.add_argument_group("ZeRO and precision")
     g.add_argument("--local_rank", type=int, default=-1, help="Set by the launcher.")
     g.add_argument("--offload", action="store_true", help="ZeRO-Offload parameters/optimizer to CPU.")
@@ -152,10 +188,8 @@ def add_deepspeed_args(parser: argparse.ArgumentParser):
                         "under torch.autocast, matmuls in bf16 (DeepSpeed's torch_autocast), instead of bf16 "
                         "weights, so that small updates are not rounded away in the weights the model runs with "
                         "(as transformers' bf16=True); slower than bf16 weights.")
-    g.add_argument("--zero_stage", type=int, default=0, choices=ZERO_STAGES, help="ZeRO optimisation stage.")
-    import deepspeed
-
-    deepspeed.add_config_arguments(parser)
+    if zero_stage:  # step 3's stages are per role (it refuses --zero_stage in its compatibility group)
+        g.add_argument("--zero_stage", type=int, default=0, choices=ZERO_STAGES, help="ZeRO optimisation stage.")
     return g
 
 
@@ -259,11 +293,12 @@ def add_offload_reference_arg(group) -> None:
 TENSORBOARD_PATHS = ("step1_tensorboard", "step2_tensorboard", "step3_tensorboard")  # each step's default
 
 
-def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str):
+def add_logging_args(parser: argparse.ArgumentParser, tensorboard_path: str, print_loss: bool = True):
     g = parser.add_argument_group("logging")
     g.add_argument("--enable_tensorboard", action="store_true", help="Write tensorboard scalars.")
     g.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Tensorboard folder.")
-    g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
+    if print_loss:  # step 3 logs its losses every step (it refuses --print_loss in its compatibility group)
+        g.add_argument("--print_loss", action="store_true", help="Print the loss of every step.")
     return g
 
 
@@ -314,10 +349,11 @@ def validate_checkpoint_args(args) -> None:
             raise UserInputError(f"--resume: no checkpoint in {root} (drop --resume to start a fresh run)")
 
 
-# The meaningful range of every numeric flag, declared once: (how the flag's name matches, the test, what the
+# The meaningful range of every shared numeric flag, declared once: (how the flag's name matches, the test, what the
 # error says after "--NAME must be "). A flag is found by its exact name or, for "*suffix", by its name's end, so
 # step 3's per-role flags (--actor_learning_rate, --critic_dropout …) and every entry point share one table;
-# check_number_flags applies it (None, a flag's "not given", is always accepted).
+# check_number_flags applies it (None, a flag's "not given", is always accepted). Step 3's knobs declare their ranges
+# on their config fields (step3_rlhf_finetuning.config.knob), and step 3 passes those along (validate_common's ranges).
 def _finite(v):
     import math
 
@@ -332,21 +368,23 @@ NUMBER_RANGES = (
     ("eval_interval", lambda v: v >= 0, "≥ 0 (0 = only before training and after each epoch)"),
     ("num_warmup_steps", lambda v: v >= 0, "≥ 0"),
     ("*dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("beta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    # step-3 knobs whose range callers check with validate_common alone (the knob's field says so; no other range)
     ("unsup_coef", lambda v: _finite(v) and v >= 0, "a finite number ≥ 0 (0 = no LM loss)"),
     ("clip_reward_value", lambda v: _finite(v) and v > 0, "a finite number > 0 (scores are clipped to ±it: 0 would "
                                                             "make every reward 0)"),
     ("tp_gather_partition_size", lambda v: v >= 1, "≥ 1"),
-    ("beta", lambda v: _finite(v) and v > 0, "a finite number > 0"),
-    ("overlong_penalty_weight", lambda v: _finite(v) and v > 0, "a finite number > 0 (--overlong_penalty 0 turns the "
-                                                                  "penalty off)"),
     ("label_smoothing", lambda v: 0 <= v < 0.5, "in [0, 0.5) (conservative DPO: 0.5 would make the loss constant)"),
     ("preprocessing_num_workers", lambda v: v >= 1, "≥ 1"),
+    ("per_device_generation_batch_size", lambda v: v >= 1, "≥ 1"),
+    ("per_device_training_batch_size", lambda v: v >= 1, "≥ 1"),
 )
 
 
-def check_number_flags(args) -> None:
-    """Every numeric flag of :data:`NUMBER_RANGES` within its range: one :class:`UserInputError` line naming the
-    flag and the value otherwise. A negative LoRA rank would silently train without LoRA; a negative or NaN
+def check_number_flags(args, ranges=()) -> None:
+    """Every numeric flag of :data:`NUMBER_RANGES` and of ``ranges`` (``(name, (ok, meaning))`` pairs: step 3 passes
+    the ranges its knobs declare, :func:`step3_rlhf_finetuning.config.knob_ranges`) within its range: one :class:`UserInputError` line naming the flag and the value otherwise.
+    A negative LoRA rank would silently train without LoRA; a negative or NaN
     learning rate would fail deep inside the optimizer; a negative --eval_interval evaluates every step.
     """
     from utils.errors import UserInputError
@@ -356,6 +394,9 @@ def check_number_flags(args) -> None:
             continue
         for pattern, ok, meaning in NUMBER_RANGES:
             if (name.endswith(pattern[1:]) if pattern.startswith("*") else name == pattern) and not ok(value):
+                raise UserInputError(f"--{name} must be {meaning}, got {value}")
+        for flag, (ok, meaning) in ranges:
+            if flag == name and not ok(value):
                 raise UserInputError(f"--{name} must be {meaning}, got {value}")
 
 
@@ -377,8 +418,9 @@ def check_lora_flags_apply(args) -> None:
                                  f"--{role}lora_dim > 0, or drop {'it' if len(unused) == 1 else 'them'}")
 
 
-def validate_common(args) -> None:
-    """Checks every step shares: a clear error instead of a crash deep inside DeepSpeed."""
+def validate_common(args, ranges=()) -> None:
+    """Checks every step shares: a clear error instead of a crash deep inside DeepSpeed. ``ranges``: more
+    :func:`check_number_flags` ranges (step 3's knobs')."""
     from utils.data.split import parse_data_split
     from utils.errors import UserInputError
 
@@ -398,7 +440,11 @@ def validate_common(args) -> None:
         raise UserInputError("--test_stop_step needs --enable_test_mode")
     if getattr(args, "max_steps", 0) < 0:
         raise UserInputError(f"--max_steps must be ≥ 0 (0 = no limit), got {args.max_steps}")
-    check_number_flags(args)
+    check_number_flags(args, ranges)
+    for name in DEEPSPEED_CONFIG_FLAGS:
+        if getattr(args, name, None):
+            raise UserInputError(f"--{name} {getattr(args, name)} would not be used: the DeepSpeed config is built "
+                                 "from the flags")
     if getattr(args, "add_eot_token", False) and not args.eot_token.strip():
         raise UserInputError("--add_eot_token needs a non-empty --eot_token")
     check_lora_flags_apply(args)
