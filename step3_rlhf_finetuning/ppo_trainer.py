@@ -1,15 +1,14 @@
-"""Step 3's RL trainer: generate answers, score them, estimate advantages, optimise the actor (and the critic).
+"""Step 3's RL trainer: it owns the round. Per RL step, ``main`` makes the algorithm's calls::
 
-One round of step 3 is these calls, each on a generation batch or on the whole round's :class:`Rollout`::
+    rollout = trainer.experience(batch, step)        # generate + score one prompt batch (nothing kept: said, not scored)
+    ready = rounds.collect(rollout, text)            # RoundCollector: --generation_batches batches (dynamic sampling)
+    trainer.compute_advantages(round)                # --advantage_estimator on the whole round, groups intact
+    stats = trainer.optimise(round, texts, steps, micro_batch)  # --ppo_epochs passes, whole optimizer steps, PTX, EMA
+    reporter.report(progress, round, stats, seconds)  # metrics: console, tensorboard, metrics.jsonl
 
-    rollout = trainer.generate(prompts, mask, prompt_text, rows)   # answers, log π_ref (, log π_old, V_old)
-    rollout.scores = trainer.score(rollout)                       # reward model and/or reward function
-    round = rounds.add(rollout)                                    # RoundCollector: --generation_batches batches
-    trainer.compute_advantages(round)                              # --advantage_estimator, groups intact
-    losses = trainer.train_step(micro, normalizer) for micro in round.micro_batches(...)  # actor (+ critic)
-
-All math comes from :mod:`utils.rl_math`; this module only moves tensors between the models.
-Shapes: ``B`` answers (``--n_samples_per_prompt`` G per prompt, next to each other), prompt
+The record and its batching live in :mod:`step3_rlhf_finetuning.rollout` (imported here under their old names), the
+metrics in :mod:`step3_rlhf_finetuning.metrics`, all math in :mod:`utils.rl_math`; this module only moves tensors
+between the models. Shapes: ``B`` answers (``--n_samples_per_prompt`` G per prompt, next to each other), prompt
 length ``P`` (left padded to the batch's longest prompt, a multiple of 8), answer length ``A`` (the
 longest answer generated, ≤ ``--max_answer_seq_len``), ``T = P + A``. Per-action tensors have ``A``
 columns, one per answer token: action ``j`` emits answer token ``j`` (from sequence position
@@ -27,252 +26,22 @@ micro-batches.
 from __future__ import annotations
 
 import contextlib
+import random
 import time
-from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
+from step3_rlhf_finetuning.metrics import PolicyStats, TrainStats, reward_ema, summarize_rollout  # noqa: F401
+from step3_rlhf_finetuning.rollout import (Rollout, RoundCollector, WholeSteps, cut_batches,  # noqa: F401
+                                           _distributed_reduce, _group_rows)
 from utils.distributed import get_all_reduce_mean, get_world_size
 from utils.model.lean_forward import answer_log_probs, can_share_prompt, label_loss, position_ids
-from utils.rl_math import (aggregate_loss, answer_action_mask, approx_kl, count_real_answer_tokens, critic_loss,
-                           discounted_returns, ema_update, gae_advantages_and_returns, informative_groups,
-                           kl_estimate, kl_penalized_rewards, loss_count, masked_whiten, overlong_penalty,
-                           step_normalizers)
-
-
-@dataclass
-class Rollout:
-    """The experience of one round (or a micro-batch of it): batch-first tensors ``[B, …]`` and lists of ``B``.
-
-    =================  =========  ================================================================
-    field              shape      meaning
-    =================  =========  ================================================================
-    prompts            [B, P]     the left-padded prompts (each repeated G times)
-    input_ids          [B, T]     prompt + answer, right padded with the pad id
-    attention_mask     [B, T]     prompt mask from the collator + the answer up to its first end token
-    action_mask        [B, A]     1 for answer actions incl. the end token's; 0 for dropped rows
-    logprobs           [B, A]     log π_old(action) (actor without dropout); on-policy: the training pass's
-    ref_logprobs       [B, A]     log π_ref(action); None without a reference model (``--kl_ctl 0``)
-    valid              [B]        1 = kept, 0 = dropped (answer with ≤ 1 real token)
-    answer_len         [B]        real answer tokens (before the first end token)
-    truncated          [B]        1 = no end token: cut at --max_answer_seq_len (masked out of the losses with
-                                  --mask_truncated_answers)
-    prompt_text, rows  lists      each answer's prompt text and dataset row (reward functions)
-    answers            list       the decoded answers (reward functions, --print_answers)
-    values             [B, A]     critic values V_old of the state before each action (gae only)
-    scores             [B]        the answer's reward (:meth:`DeepSpeedPPOTrainer.score`)
-    task_scores        [B]        the reward before ``--overlong_penalty``: what ``--dynamic_sampling`` filters on
-                                  (DAPO filters on accuracy, not on length); None once filtered
-    advantages         [B, A]     per-action advantages (0 outside the action mask)
-    returns            [B, A]     GAE returns, the critic's targets (gae only)
-    =================  =========  ================================================================
-
-    ``group_size`` G: rows ``g·G … g·G + G − 1`` answer the same prompt. ``pad_token_id`` fills the columns
-    that :meth:`cat` adds. ``info`` holds per-round counts and timings (seconds; summed by :meth:`cat`):
-    generate, experience, generated_tokens, sequences, dropped, kept, tokens, batches; a round from
-    :class:`RoundCollector` with ``--dynamic_sampling`` adds its group counts.
-    """
-    prompts: torch.Tensor
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    action_mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: Optional[torch.Tensor]
-    valid: torch.Tensor
-    answer_len: torch.Tensor
-    truncated: Optional[torch.Tensor] = None
-    prompt_text: List[str] = field(default_factory=list)
-    rows: List[dict] = field(default_factory=list)
-    answers: List[str] = field(default_factory=list)
-    values: Optional[torch.Tensor] = None
-    scores: Optional[torch.Tensor] = None
-    task_scores: Optional[torch.Tensor] = None
-    advantages: Optional[torch.Tensor] = None
-    returns: Optional[torch.Tensor] = None
-    group_size: int = 1
-    pad_token_id: int = 0
-    info: dict = field(default_factory=dict)
-
-    LISTS = ("prompt_text", "rows", "answers")
-    PER_ACTION = ("action_mask", "logprobs", "ref_logprobs", "values", "advantages", "returns")
-    CONSTANTS = ("group_size", "pad_token_id", "info")
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def prompt_length(self) -> int:
-        """``P``."""
-        return self.prompts.shape[1]
-
-    @property
-    def answer_ids(self) -> torch.Tensor:
-        """``[B, A]`` the answers (right padded)."""
-        return self.input_ids[:, self.prompt_length:]
-
-    def _batch_fields(self):
-        return [f.name for f in fields(self) if f.name not in self.CONSTANTS]
-
-    def _replace(self, **parts) -> "Rollout":
-        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info={})
-
-    def _columns(self, prompt, sequence, action, info: dict) -> "Rollout":
-        """The same rows with each 2-D tensor passed through ``prompt`` (``prompts``), ``sequence`` (``input_ids``,
-        ``attention_mask``) or ``action`` (the per-action tensors), each called with the field's name and value."""
-        parts = {}
-        for name in self._batch_fields():
-            value = getattr(self, name)
-            if value is None or name in self.LISTS or value.dim() < 2:
-                parts[name] = value
-            else:
-                fn = prompt if name == "prompts" else sequence if name in ("input_ids", "attention_mask") else action
-                parts[name] = fn(name, value)
-        return Rollout(**parts, group_size=self.group_size, pad_token_id=self.pad_token_id, info=info)
-
-    def trimmed(self) -> "Rollout":
-        """The same rows without the prompt columns that are padding in every row and the answer columns
-        after every row's end: views, so the numbers computed on them are those of the full width."""
-        P, A = self.prompt_length, self.action_mask.shape[1]
-        prompt_real = self.attention_mask[:, :P].any(dim=0).nonzero()
-        answer_real = self.attention_mask[:, P:].any(dim=0).nonzero()
-        # keep one prompt column at least: its last position predicts the first answer token
-        left = min(int(prompt_real[0]) if len(prompt_real) else P - 1, P - 1)
-        right = int(answer_real[-1]) + 1 if len(answer_real) else A
-        if left == 0 and right == A:
-            return self
-        return self._columns(lambda _, v: v[:, left:], lambda _, v: v[:, left:P + right],
-                             lambda _, v: v[:, :right], info={})
-
-    def select(self, rows: torch.Tensor) -> "Rollout":
-        """The rows ``rows`` (indices, in that order) as a new rollout (copies; ``info`` empty)."""
-        index = rows.tolist()
-        parts = {}
-        for name in self._batch_fields():
-            value = getattr(self, name)
-            parts[name] = (None if value is None else [value[i] for i in index] if name in self.LISTS
-                           else value[rows.to(value.device)])
-        return self._replace(**parts)
-
-    def micro_batches(self, size: int) -> List["Rollout"]:
-        """Consecutive slices of ``size`` rows (the last may be shorter), each :meth:`trimmed` (views: writing into
-        a micro-batch's tensors writes into the rollout's)."""
-        out = []
-        for i in range(0, len(self), size):
-            parts = {name: (value[i:i + size] if value is not None else None)
-                     for name in self._batch_fields() for value in [getattr(self, name)]}
-            out.append(self._replace(**parts).trimmed())
-        return out
-
-    def padded(self, prompt_length: int, answer_length: int) -> "Rollout":
-        """The same rollout with prompts left padded to ``prompt_length`` and answers (and per-action tensors) right
-        padded to ``answer_length`` columns (pad id; masks, log-probs, values and advantages 0)."""
-        left, right = prompt_length - self.prompt_length, answer_length - self.action_mask.shape[1]
-        if left == 0 and right == 0:
-            return self
-
-        def fill(name):
-            return self.pad_token_id if name in ("prompts", "input_ids") else 0
-
-        return self._columns(lambda n, v: F.pad(v, (left, 0), value=fill(n)),
-                             lambda n, v: F.pad(v, (left, right), value=fill(n)),
-                             lambda n, v: F.pad(v, (0, right), value=fill(n)), info=dict(self.info))
-
-    @classmethod
-    def cat(cls, rollouts: List["Rollout"]) -> "Rollout":
-        """One rollout of several (same fields filled): prompts left padded and answers right padded to the
-        longest; ``info`` summed."""
-        P = max(r.prompt_length for r in rollouts)
-        A = max(r.action_mask.shape[1] for r in rollouts)
-        rollouts = [r.padded(P, A) for r in rollouts]
-        first = rollouts[0]
-        parts = {}
-        for name in first._batch_fields():
-            values = [getattr(r, name) for r in rollouts]
-            if values[0] is None:
-                parts[name] = None
-            elif name in cls.LISTS:
-                parts[name] = [x for v in values for x in v]
-            else:
-                parts[name] = torch.cat(values, dim=0)
-        info = {}
-        for r in rollouts:
-            for key, value in r.info.items():
-                info[key] = info.get(key, 0) + value
-        return cls(**parts, group_size=first.group_size, pad_token_id=first.pad_token_id, info=info)
-
-    def state(self) -> dict:
-        """Plain tensors, lists and numbers (a checkpoint loads it with ``weights_only=True``)."""
-        return {name: getattr(self, name) for name in self._batch_fields() + list(self.CONSTANTS)}
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Rollout":
-        return cls(**state)
-
-
-def cut_batches(batches: List[dict], size: int) -> List[dict]:
-    """Batches (dicts of batch-first tensors) concatenated and cut into consecutive micro-batches of ``size`` rows
-    (the last may be shorter): the unsupervised text of a round, paired one to one with the rollout's."""
-    whole = {key: torch.cat([b[key] for b in batches], dim=0) for key in batches[0]}
-    rows = next(iter(whole.values())).shape[0]
-    return [{key: value[i:i + size] for key, value in whole.items()} for i in range(0, rows, size)]
-
-
-class WholeSteps:
-    """A round's training schedule → the micro-batches that make whole optimizer steps of ``per_step`` each
-    (``--gradient_accumulation_steps``); the rest wait for the next round.
-
-    DeepSpeed counts micro-batches across rounds, so when a round's micro-batches × ``--ppo_epochs`` do not fill whole
-    optimizer steps, a step spans two rounds (or, with ``per_step`` above a round's, several). Its loss normalizer,
-    the step's mean count per micro-batch (:func:`utils.rl_math.step_normalizers`), needs the count of every
-    micro-batch of the step, so the micro-batches that do not make a whole step yet are trained at the start of the
-    next round's schedule. They lose nothing by waiting: no optimizer step runs in between, so the weights they are
-    trained at, and their ratios, are the same. Micro-batches still waiting when the run ends are not trained, as
-    DeepSpeed never steps an unfinished accumulation either.
-
-    ``waiting`` holds ``(micro-batch, text or None)`` pairs; :meth:`state` and :meth:`from_state` carry them through
-    a checkpoint.
-    """
-
-    def __init__(self, per_step: int, waiting: Optional[list] = None):
-        if per_step < 1:
-            raise ValueError(f"per_step must be ≥ 1, got {per_step}")
-        self.per_step = per_step
-        self.waiting = list(waiting or [])
-
-    def take(self, schedule: list) -> list:
-        """The waiting pairs, then ``schedule``'s, cut to whole optimizer steps (in order); keeps the rest."""
-        pairs = self.waiting + list(schedule)
-        whole = len(pairs) - len(pairs) % self.per_step
-        self.waiting = pairs[whole:]
-        return pairs[:whole]
-
-    def state(self) -> list:
-        """The waiting pairs as CPU tensors, lists and numbers (``torch.load(weights_only=True)`` reads them)."""
-        def cpu(value):
-            return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-        return [{"micro": {k: cpu(v) for k, v in micro.state().items()},
-                 "text": None if text is None else {k: cpu(v) for k, v in text.items()}}
-                for micro, text in self.waiting]
-
-    @classmethod
-    def from_state(cls, per_step: int, state: Optional[list], device=None) -> "WholeSteps":
-        def to(value):
-            return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
-
-        waiting = [(Rollout.from_state({k: to(v) for k, v in pair["micro"].items()}),
-                    None if pair["text"] is None else {k: to(v) for k, v in pair["text"].items()})
-                   for pair in state or []]
-        return cls(per_step, waiting)
-
-
-def reward_ema(ema: Optional[float], value: float, alpha: float = 0.9) -> float:
-    """The reference's reward EMA after ``value``: ``α·ema + (1−α)·value`` (``ema`` None: the first value)."""
-    prev = value if ema is None else ema
-    return alpha * prev + (1.0 - alpha) * value
+from utils.rl_math import (aggregate_loss, answer_action_mask, count_real_answer_tokens, critic_loss,
+                           discounted_returns, ema_update, gae_advantages_and_returns, kl_estimate,
+                           kl_penalized_rewards, loss_count, masked_sum, masked_whiten, overlong_penalty, policy_ratio,
+                           ratio_clip_sums, step_normalizers)
 
 
 @contextlib.contextmanager
@@ -312,147 +81,24 @@ def old_logprobs_from_training_pass(ppo, micro_batches_per_round: int, grad_accu
             and not kl_in_reward and not rounds_wait)
 
 
-def _group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The row indices of the groups ``groups`` (indices), each group's ``group_size`` rows in order."""
-    return (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
-
-
-def _distributed_reduce(tensor: torch.Tensor, op: str) -> None:
-    """In place over every rank (``sum`` or ``min``); nothing with one process."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(tensor, op=ops[op])
-
-
-class RoundCollector:
-    """Scored generation batches → rounds (DeepSpeed-Chat's MiniDataset, plus DAPO's dynamic sampling).
-
-    Without ``--dynamic_sampling`` a round is the next ``--generation_batches`` batches that kept an answer (a batch
-    whose answers were all dropped is skipped). With it, each batch keeps only its informative groups
-    (:func:`utils.rl_math.informative_groups` on the clipped task scores, before ``--overlong_penalty``: two or more
-    valid answers that do not all score the same), and batches are drawn until every rank holds the round's ``--generation_batches`` ×
-    ``groups_per_batch`` groups or ``--dynamic_sampling_max_batches`` batches were drawn (the same number on every
-    rank: the decision takes the minimum over ranks). Every rank then trains on exactly that many groups: its first
-    kept ones (the surplus is dropped, as DAPO does) and, when the limit came first, dropped groups masked out of every
-    loss and statistic (``valid`` and the action mask 0). ``info`` counts, over every rank, the groups kept, filtered
-    (all scoring the same), surplus (informative but beyond the round's) and filled, and the batches drawn. So every rank and every round runs the same micro-batches,
-    the optimizer steps where it always does, and the on-policy shortcut still holds.
-
-    ``reduce(tensor, op)`` sums (``op`` "sum") or takes the minimum ("min") in place over the ranks; by default
-    ``torch.distributed``'s.
-    """
-
-    def __init__(self, ppo, groups_per_batch: int, reduce=None):
-        self.ppo = ppo
-        self.target = ppo.generation_batches * groups_per_batch
-        self.reduce = reduce or _distributed_reduce
-        self._start()
-
-    def _start(self) -> None:
-        self.parts, self.spare, self.texts, self.info = [], [], [], {}
-        self.batches = self.kept_groups = self.spare_groups = self.filtered_groups = self.surplus_groups = 0
-
-    def add(self, rollout: Rollout, text: Optional[dict] = None):
-        """Take one generation batch (scored, unless ``info["kept"]`` is 0) and its unsupervised text (or None);
-        ``(round, texts)`` when a round is complete, else None."""
-        if not self.ppo.dynamic_sampling:
-            if rollout.info["kept"] == 0:
-                return None
-            self.parts.append(rollout)
-            self.texts += [text] if text is not None else []
-            if len(self.parts) < self.ppo.generation_batches:
-                return None
-            ready = Rollout.cat(self.parts), self.texts
-            self._start()
-            return ready
-        return self._add_filtered(rollout, text)
-
-    def _add_filtered(self, rollout: Rollout, text: Optional[dict]):
-        G, ppo = rollout.group_size, self.ppo
-        groups = len(rollout) // G
-        self.batches += 1
-        for key, value in rollout.info.items():
-            self.info[key] = self.info.get(key, 0) + value
-        if rollout.info["kept"] > 0:
-            # on the task's reward, before --overlong_penalty: a group all right (or all wrong) whose answers differ
-            # only in length is not informative (DAPO filters on accuracy)
-            task = rollout.task_scores if rollout.task_scores is not None else rollout.scores
-            clipped = task.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
-            keep = informative_groups(clipped, G, rollout.valid).to(rollout.input_ids.device)
-        else:  # nothing was scored: every group is one to fill with
-            rollout.scores = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
-            keep = torch.zeros(groups, dtype=torch.bool, device=rollout.input_ids.device)
-        rollout.task_scores = None  # read: the round's parts all leave it out
-        kept, dropped = keep.nonzero().reshape(-1), (~keep).nonzero().reshape(-1)
-        taken = kept[:max(self.target - self.kept_groups, 0)]
-        if len(taken):
-            self.parts.append(rollout.select(_group_rows(taken, G)))
-            self.kept_groups += len(taken)
-        self.surplus_groups += len(kept) - len(taken)
-        if len(dropped) and self.spare_groups < self.target:
-            spare = dropped[:self.target - self.spare_groups]
-            self.spare.append(rollout.select(_group_rows(spare, G)))
-            self.spare_groups += len(spare)
-        self.filtered_groups += len(dropped)
-        if text is not None and len(self.texts) < ppo.generation_batches:
-            self.texts.append(text)
-        fewest = torch.tensor([float(self.kept_groups)], dtype=torch.float64, device=rollout.input_ids.device)
-        self.reduce(fewest, "min")
-        if fewest.item() < self.target and self.batches < ppo.dynamic_sampling_max_batches:
-            return None
-        return self._finish(G)
-
-    def _finish(self, G: int):
-        filled = min(self.target - self.kept_groups, self.spare_groups)
-        parts = list(self.parts)
-        if filled:
-            fill = Rollout.cat(self.spare)
-            fill = fill.select(torch.arange(filled * G, device=fill.input_ids.device))
-            fill.valid.zero_()
-            fill.action_mask.zero_()
-            parts.append(fill)
-        device = parts[0].input_ids.device
-        counts = torch.tensor([self.kept_groups, self.filtered_groups, self.surplus_groups, filled],
-                              dtype=torch.float64, device=device)
-        self.reduce(counts, "sum")
-        ready = Rollout.cat(parts)
-        ready.info = dict(self.info, sampled_batches=self.batches,
-                          **dict(zip(("groups_kept", "groups_filtered", "groups_surplus", "groups_filled"),
-                                     (int(round(c)) for c in counts.tolist()))))
-        texts = self.texts
-        self._start()
-        return ready, texts
-
-
-def summarize_rollout(rollout: Rollout) -> dict:
-    """Per-rank sums over kept answers for logging: count, reward, answer length, answers cut at the length cap and
-    (with a reference model) KL (k3: never negative)."""
-    valid = rollout.valid.float()
-    sums = {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
-            "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
-    if rollout.truncated is not None:
-        sums["truncated_sum"] = (rollout.truncated.float() * valid).sum()
-    if rollout.ref_logprobs is not None:
-        kl = approx_kl(rollout.logprobs, rollout.ref_logprobs, rollout.action_mask, "k3")
-        sums["kl_sum"] = (kl.float() * valid).sum()
-    return sums
-
-
 class DeepSpeedPPOTrainer:
     """RL on a :class:`~step3_rlhf_finetuning.rlhf_engine.DeepSpeedRLHFEngine` (or anything with the same fields):
     PPO with a critic (``gae``) or a critic-free estimator (module docstring).
 
-    ``ppo`` (:class:`~step3_rlhf_finetuning.config.PPOConfig`) holds the update's constants, ``generation``
+    Per RL step: :meth:`experience` for each prompt batch, :meth:`compute_advantages` on the round,
+    :meth:`optimise` (module docstring). ``ppo`` (:class:`~step3_rlhf_finetuning.config.PPOConfig`) holds the update's constants, ``generation``
     (:class:`~step3_rlhf_finetuning.config.GenerationConfig`) how answers are generated, ``reward``
     (:class:`~step3_rlhf_finetuning.config.RewardConfig`) where scores come from; ``reward_fn`` is the loaded
     ``--reward_fn`` (:func:`utils.reward_functions.load_reward_fn`).
     """
 
-    def __init__(self, rlhf_engine, ppo, generation, log=None, reward=None, reward_fn=None, on_policy=False):
+    def __init__(self, rlhf_engine, ppo, generation, log=None, reward=None, reward_fn=None, on_policy=False,
+                 warn=None):
         from step3_rlhf_finetuning.config import RewardConfig
         from utils.distributed import print_rank_0
 
         self.log = log or print_rank_0  # main passes its TrainLogger's info
+        self.warn = warn or self.log  # ... and its warning
         self.rlhf_engine = rlhf_engine
         self.actor_model = rlhf_engine.actor
         self.critic_model = rlhf_engine.critic  # None for the critic-free estimators
@@ -645,18 +291,35 @@ class DeepSpeedPPOTrainer:
         info["experience"] = time.time() - start
         return rollout
 
-    def _action_log_probs(self, model, rollout: Rollout) -> torch.Tensor:
+    def _action_log_probs(self, model, rollout: Rollout, entropy: bool = False):
         """``[B, A]`` log-probs of the answer tokens under ``model`` (at the sampling temperature): the LM head at
-        the answer positions only, each group's prompt run once (:func:`utils.model.answer_log_probs`)."""
+        the answer positions only, each group's prompt run once (:func:`utils.model.answer_log_probs`); with
+        ``entropy``, the pair (log-probs, ``[B, A]`` detached entropies of the same logits)."""
         P = rollout.prompt_length
         return answer_log_probs(model, rollout.prompts, rollout.attention_mask[:, :P], rollout.answer_ids,
-                                rollout.attention_mask[:, P:], rollout.group_size, self.temperature)
+                                rollout.attention_mask[:, P:], rollout.group_size, self.temperature, entropy=entropy)
 
     def _values(self, rollout: Rollout) -> torch.Tensor:
         """``[B, A]`` critic values of the state before each answer action (positions ``P − 1 … T − 2``)."""
         P = rollout.prompt_length
         values = self.critic_model.forward_value(rollout.input_ids, rollout.attention_mask, return_value_only=True)
         return values[:, P - 1:-1]
+
+    # ------------------------------------------------------------------ experience
+
+    def experience(self, batch: dict, step: int = 0) -> Rollout:
+        """One prompt batch of the collator (``prompt``, ``prompt_att_mask``, ``prompt_text``, ``rows``; on the
+        device) → its scored :class:`Rollout`: :meth:`generate`, then :meth:`score`. Whether anything was kept is
+        decided here, once (every rank's count, :attr:`Rollout.nothing_kept`): when every answer was dropped the
+        batch is said (``step``: the generation batch's number) and not scored; :class:`RoundCollector` skips it."""
+        rollout = self.generate(batch["prompt"], batch["prompt_att_mask"], batch.get("prompt_text"),
+                                batch.get("rows"), step)
+        if rollout.nothing_kept:
+            self.warn(f"generation batch {step}: every answer had ≤ 1 token ({rollout.info['dropped']} dropped); "
+                      "nothing to score")
+        else:
+            rollout.scores = self.score(rollout)
+        return rollout
 
     # ------------------------------------------------------------------ score
 
@@ -739,13 +402,48 @@ class DeepSpeedPPOTrainer:
                 sums.copy_(on_device.cpu())
         return step_normalizers(counts, per_step, reduce, get_world_size() if reduce else 1)
 
-    def train_step(self, micro: Rollout, normalizer: Optional[float] = None) -> dict:
+    def optimise(self, rollout: Rollout, unsup_batches: Optional[list], steps: WholeSteps,
+                 micro_batch: int) -> TrainStats:
+        """The round's optimisation: ``--ppo_epochs`` passes over its micro-batches of ``micro_batch`` rows (actor,
+        critic for gae; + LM loss on the unsupervised text ``unsup_batches``, + EMA), reshuffled after each pass, as
+        DeepSpeed-Chat; trained in whole optimizer steps (``steps``, :class:`WholeSteps`: micro-batches that do not
+        fill one wait for the next round), each micro-batch's actor loss normalised over its optimizer step
+        (``--loss_agg``, :meth:`loss_normalizers`). Returns the mean of each loss over the micro-batches trained now
+        (none when all wait), the rows each model trained on (this rank) and the actor's ratio, clip and entropy
+        sums (:class:`~step3_rlhf_finetuning.metrics.TrainStats`)."""
+        micro = rollout.micro_batches(micro_batch)
+        unsup = cut_batches(unsup_batches, micro_batch) if unsup_batches else [None] * len(micro)
+        schedule = []  # (micro-batch, text) in training order
+        for _ in range(self.ppo.ppo_epochs):
+            schedule += list(zip(micro, unsup))
+            random.shuffle(micro)
+            random.shuffle(unsup)
+        schedule = steps.take(schedule)
+        normalizers = self.loss_normalizers([batch for batch, _ in schedule], steps.per_step)
+        sums, stats = {}, TrainStats()
+        for (batch, text), normalizer in zip(schedule, normalizers):
+            losses = self.train_step(batch, normalizer, stats.policy)
+            stats.actor_rows += len(batch)
+            stats.critic_rows += len(batch) if "critic_loss" in losses else 0
+            if text is not None:
+                losses["unsup_loss"] = self.train_unsupervised(text)
+                stats.actor_rows += text["input_ids"].shape[0]
+            for name, value in losses.items():
+                sums[name] = sums.get(name, 0.0) + value.item()
+            self.update_ema()
+        stats.losses = {name: total / len(schedule) for name, total in sums.items()}
+        stats.waiting = len(steps.waiting)
+        return stats
+
+    def train_step(self, micro: Rollout, normalizer: Optional[float] = None,
+                   stats: Optional[PolicyStats] = None) -> dict:
         """One update of the actor (and, for ``gae``, the critic) on a micro-batch of a scored rollout with
         advantages; returns the losses (detached scalars): ``actor_loss``, ``critic_loss`` (gae), ``kl_loss``
         (``--use_kl_loss``). The actor's loss is ``--policy_loss``'s per-token loss (and β·KL) aggregated by
         ``--loss_agg`` over ``normalizer`` (:meth:`loss_normalizers`; None: this micro-batch's own count). On-policy,
         the micro-batch's ``logprobs`` (a view of the round's) receive the training pass's detached log-probs, which
-        are also the ratio's denominator."""
+        are also the ratio's denominator. ``stats`` (or None) receives the micro-batch's ratio and clip sums and its
+        entropy's, read from the training pass's logits (:meth:`PolicyStats.add`)."""
         ppo, mask = self.ppo, micro.action_mask
         if normalizer is None:
             normalizer = float(loss_count(mask, ppo.loss_agg, micro.valid))
@@ -753,9 +451,16 @@ class DeepSpeedPPOTrainer:
         def aggregate(per_token):
             return aggregate_loss(per_token, mask, ppo.loss_agg, normalizer, self.max_answer_seq_len)
 
-        logprobs = self._action_log_probs(self.actor_model, micro)
+        if stats is None:
+            logprobs = self._action_log_probs(self.actor_model, micro)
+        else:
+            logprobs, entropy = self._action_log_probs(self.actor_model, micro, entropy=True)
         if self.on_policy:
             micro.logprobs.copy_(logprobs.detach())
+        if stats is not None:
+            ratio = policy_ratio(logprobs, micro.logprobs, mask, sequence_level=ppo.policy_loss == "gspo")
+            stats.add(ratio_clip_sums(ratio, micro.advantages, mask, ppo.cliprange, ppo.cliprange_high),
+                      masked_sum(entropy, mask))
         policy_loss = aggregate(self.policy_loss_fn(logprobs, micro.logprobs, micro.advantages, mask, ppo.cliprange,
                                                     ppo.cliprange_high))
         losses = {"actor_loss": policy_loss.detach()}

@@ -1,6 +1,7 @@
-"""Pure tensor math for the RLHF pipeline: masks, log-probs, GAE, the policy losses (PPO, GSPO, CISPO) and their
-aggregation, critic-free advantage estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++ and its baseline variant), DAPO's
-overlong penalty and group filter, KL estimators, reward-model and DPO losses.
+"""Pure tensor math for the RLHF pipeline: masks, log-probs, GAE, the policy losses (PPO, GSPO, CISPO), their
+aggregation and diagnostics (ratio, clip fractions, token entropy), critic-free advantage estimators (GRPO, Dr.
+GRPO, RLOO, REINFORCE++ and its baseline variant), DAPO's overlong penalty and group filter, KL estimators,
+reward-model and DPO losses.
 
 Everything here is a plain function of tensors (torch only, no DeepSpeed / transformers),
 so it can be unit-tested on tiny hand-made inputs.
@@ -43,6 +44,9 @@ __all__ = [
     "ppo_policy_loss",
     "gspo_policy_loss",
     "cispo_policy_loss",
+    "policy_ratio",
+    "ratio_clip_sums",
+    "token_entropy",
     "loss_count",
     "aggregate_loss",
     "step_normalizers",
@@ -425,6 +429,93 @@ def cispo_policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     low, high = _clip_bounds(clip_low, clip_high)
     weight = torch.clamp(torch.exp(_apply_mask(lp - old_log_probs.float(), m)), low, high).detach()
     return _apply_mask(-weight * advantages.float() * lp, m)
+
+
+# --------------------------------------------------------------------------- policy diagnostics (logged, no gradient)
+
+
+def policy_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, action_mask: torch.Tensor,
+                 sequence_level: bool = False) -> torch.Tensor:
+    """The ratio a policy loss clips, detached: ``ρ_t = exp(logπ_t − logπ_old,t)`` per token (``ppo``, ``cispo``), or,
+    with ``sequence_level`` (``gspo``), the answer's ``s_i = exp(mean over its counted tokens of logπ − logπ_old)`` on
+    each of its tokens.
+
+    Args:
+        log_probs, old_log_probs: ``[B, A]`` current and experience-time log-probs.
+        action_mask: ``[B, A]`` (1 = counts).
+        sequence_level: the answer's ratio instead of the token's.
+
+    Returns:
+        ``[B, A]`` float32, 1 where the mask is 0 (an answer without a counted token: 1 on every column).
+    """
+    with torch.no_grad():
+        lp = log_probs.detach().float()
+        m = _float_mask(action_mask, lp)
+        log_ratio = _apply_mask(lp - old_log_probs.detach().float(), m)
+        if sequence_level:
+            log_ratio = masked_mean(log_ratio, m, dim=1)[:, None].expand_as(lp)
+        return torch.exp(_apply_mask(log_ratio, m))
+
+
+def ratio_clip_sums(ratio: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor, clip_low: float,
+                    clip_high: float) -> dict:
+    """Sums over the counted tokens of one micro-batch, to be added over micro-batches and ranks and then divided by
+    ``tokens`` (TRL's ``clip_ratio/low_mean`` and ``high_mean``; verl's and OpenRLHF's clip fraction is their sum):
+
+    * ``tokens``: the counted tokens, ``Σ mask``;
+    * ``clip_low``: tokens whose clip at the lower bound is active, ``ρ_t < 1 − ε_low`` with ``Â_t < 0`` (there
+      PPO's clipped term is the larger one: the token gets no gradient; CISPO's weight stops at ``1 − ε_low``);
+    * ``clip_high``: likewise at the upper bound, ``ρ_t > 1 + ε_high`` with ``Â_t > 0``;
+    * ``ratio_sum``: ``Σ ρ_t``; ``ratio_max``: the largest ``ρ_t`` (0 without a counted token).
+
+    Args:
+        ratio: ``[B, A]`` (:func:`policy_ratio`).
+        advantages: ``[B, A]``.
+        action_mask: ``[B, A]`` (1 = counts).
+        clip_low, clip_high: ``ε_low``, ``ε_high``.
+
+    Returns:
+        ``{name: 0-d float64 tensor}`` with the five names above.
+    """
+    with torch.no_grad():
+        r, adv = ratio.detach().double(), advantages.detach().double()
+        m = _float_mask(action_mask, r)
+        counted = m != 0
+        low, high = _clip_bounds(clip_low, clip_high)
+        r = torch.where(counted, r, torch.ones_like(r))  # masked-out values (inf, nan) never count
+        adv = torch.where(counted, adv, torch.zeros_like(adv))
+        return {"tokens": m.sum(),
+                "clip_low": (counted & (r < low) & (adv < 0)).double().sum(),
+                "clip_high": (counted & (r > high) & (adv > 0)).double().sum(),
+                "ratio_sum": masked_sum(r, m),
+                "ratio_max": torch.where(counted, r, torch.zeros_like(r)).max() if r.numel() else r.new_zeros(())}
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 8) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at each position, detached, in float32:
+    ``H = logsumexp(x) − Σ_v softmax(x)_v·x_v`` with ``x = logits / temperature``.
+
+    Read from logits a forward pass computed anyway (no pass of its own); the rows are taken ``chunk_rows`` at a
+    time, so the float32 copy of the logits exists for one chunk only.
+
+    Args:
+        logits: ``[..., T, V]`` (any float dtype; the leading dimensions are rows).
+        temperature: the logits are divided by it (the distribution answers are sampled from).
+        chunk_rows: rows (leading index) per chunk.
+
+    Returns:
+        ``[..., T]`` float32 entropies in nats (0 for a one-hot distribution, ``log V`` for the uniform one).
+    """
+    def one(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float()
+        if temperature != 1.0:
+            x = x / temperature
+        return torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(dim=-1)
+
+    with torch.no_grad():
+        if logits.dim() < 3 or logits.shape[0] <= chunk_rows:
+            return one(logits)
+        return torch.cat([one(logits[i:i + chunk_rows]) for i in range(0, logits.shape[0], chunk_rows)], dim=0)
 
 
 def loss_count(action_mask: torch.Tensor, loss_agg: str, valid: torch.Tensor | None = None) -> torch.Tensor:

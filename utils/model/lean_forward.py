@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from utils.rl_math import gather_log_probs
+from utils.rl_math import gather_log_probs, token_entropy
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -112,8 +112,10 @@ def _logits(model, ids, mask, positions, keep: int, params: frozenset, **extra):
 
 def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, answers: torch.Tensor,
                      answer_mask: torch.Tensor, group_size: int = 1, temperature: float = 1.0,
-                     share_prompt: bool = True) -> torch.Tensor:
-    """``[B, A]`` float32 ``log π(answers[:, j] | prompt, answers[:, :j])`` at temperature ``temperature``.
+                     share_prompt: bool = True, entropy: bool = False):
+    """``[B, A]`` float32 ``log π(answers[:, j] | prompt, answers[:, :j])`` at temperature ``temperature``; with
+    ``entropy``, the pair (log-probs, ``[B, A]`` float32 entropy of the distribution each answer token was drawn from,
+    detached: :func:`utils.rl_math.token_entropy` of the same logits, no forward pass of its own).
 
     Args:
         model: a causal LM (or a DeepSpeed engine around one); called as it is (train or eval mode is the
@@ -124,6 +126,7 @@ def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, an
         group_size: rows ``g·G … g·G + G − 1`` may share one prompt (checked: :func:`shared_group_size`).
         temperature: the logits are divided by it (the distribution answers were sampled from).
         share_prompt: False forces the plain pass (tests compare the two).
+        entropy: also return the entropies (step 3 logs their mean).
     """
     params = forward_parameters(model)
     B, P = prompts.shape
@@ -134,18 +137,21 @@ def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, an
     if G == 1:  # the plain pass: prompt + answer without its last token; logits at the A answer actions
         ids = torch.cat([prompts, answers], dim=1)[:, :-1]
         _, logits = _logits(model, ids, mask[:, :-1], positions[:, :-1], A, params)
-        return gather_log_probs(logits, answers, temperature)
+        logps = gather_log_probs(logits, answers, temperature)
+        return (logps, token_entropy(logits, temperature)) if entropy else logps
 
     # the shared pass: each prompt once (its last position predicts the first answer token), then the answers
     out, first = _logits(model, prompts[::G], prompt_mask[::G], positions[::G, :P], 1, params, use_cache=True)
     first_lp = gather_log_probs(first.repeat_interleave(G, dim=0), answers[:, :1], temperature)  # [B, 1]
+    first_entropy = token_entropy(first, temperature).repeat_interleave(G, dim=0) if entropy else None
     if A == 1:
-        return first_lp
+        return (first_lp, first_entropy) if entropy else first_lp
     cache = output_cache(out)
     cache.batch_repeat_interleave(G)
     _, rest = _logits(model, answers[:, :-1], mask[:, :-1], positions[:, P:-1], A - 1, params, use_cache=True,
                       **{cache_parameter(model): cache})
-    return torch.cat([first_lp, gather_log_probs(rest, answers[:, 1:], temperature)], dim=1)
+    logps = torch.cat([first_lp, gather_log_probs(rest, answers[:, 1:], temperature)], dim=1)
+    return (logps, torch.cat([first_entropy, token_entropy(rest, temperature)], dim=1)) if entropy else logps
 
 
 # --------------------------------------------------------------------------- language-model loss (step 1, PPO-ptx)
