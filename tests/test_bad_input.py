@@ -222,18 +222,6 @@ def _limit_file_size(limit):
 
 
 @pytest.fixture(scope="module")
-def reward_folder(tmp_path_factory):
-    """A real (untrained) step-2 folder of tiny-opt."""
-    from utils.model.critic import create_critic_model, save_reward_model
-    from utils.model.model_utils import load_hf_tokenizer
-
-    folder = tmp_path_factory.mktemp("rm") / "reward"
-    tokenizer = load_hf_tokenizer("tiny-opt")
-    save_reward_model(create_critic_model("tiny-opt", tokenizer, None, 1), tokenizer, str(folder))
-    return folder
-
-
-@pytest.fixture(scope="module")
 def llama_reward_folder(tmp_path_factory):
     """A real (untrained) step-2 folder of tiny-llama (another tokenizer than tiny-opt's)."""
     from utils.model.critic import create_critic_model, save_reward_model
@@ -308,6 +296,7 @@ def cli_runs(tmp_path_factory, reward_folder, llama_reward_folder):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CLI_CASES))
 def test_cli_bad_input_is_one_clear_error_with_exit_code_2(case, cli_runs):
     rc, out, err, folder, before = cli_runs[case]
@@ -359,6 +348,7 @@ def test_full_disk_while_saving_a_model_leaves_the_old_folder(tmp_path):
     assert os.listdir(tmp_path) == ["actor"] and (out / "model.safetensors").read_bytes() == b"old model"
 
 
+@pytest.mark.slow
 def test_safetensors_write_failure_is_a_write_failure(tmp_path):
     """What safetensors raises when the disk is full is recognised (and turned into a clear error)."""
     import torch
@@ -728,6 +718,7 @@ READ_ONLY_CASES = {  # name: (entry point, arguments with {ro} on the read-only 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(READ_ONLY_CASES))
 def test_a_read_only_file_system_is_one_line_before_anything_runs(tmp_path, small_disk, name):
     """Issue 25, rule 8, on a real read-only mount (which root cannot write either, unlike a folder whose

@@ -231,6 +231,7 @@ def test_real_rl_bench_evaluates_on_the_gpu_only_when_there_is_one(monkeypatch):
     assert bench.device() == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_bench_runs_keep_the_callers_pythonpath_behind_the_repository(monkeypatch, tmp_path):
     """Packages installed with ``pip install --target DIR`` and PYTHONPATH=DIR (the GPU machine's deepspeed) reach
     the steps a bench starts: the repository comes first, the caller's path after it."""

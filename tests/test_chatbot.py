@@ -89,6 +89,7 @@ def test_chat_py_scripted_through_a_pipe(tiny_folder):
     assert "Human:" not in res.stdout and "Type 'clear'" not in res.stdout  # no prompt text on a pipe
 
 
+@pytest.mark.slow
 def test_missing_folder_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "chat.py"), "--path", str(tmp_path / "nope")],
                          input="quit\n", capture_output=True, text=True, timeout=120)

@@ -387,6 +387,7 @@ def test_stale_temporary_folders_are_ignored_and_cleaned(tmp_path):
     assert sorted(os.listdir(m.root)) == ["latest", "step-00000003"]
 
 
+@pytest.mark.slow
 def test_kill_hook_sigkills_at_the_named_step_only(tmp_path):
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from utils.fault_injection import kill_point\n"

@@ -91,6 +91,7 @@ def test_a_labelling_function_that_fails_is_refused_in_one_line(tmp_path, case):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
 
 
+@pytest.mark.slow
 def test_bad_collector_flags_are_refused_before_any_model(tmp_path):
     for extra, message in ((["--num_answers", "1"], "--num_answers must be ≥ 2"),
                            (["--label_fn", "nope"], "--label_fn nope: unknown reward function"),

@@ -46,6 +46,7 @@ def test_dpo_evaluates_the_whole_eval_split_by_default_as_the_reference():
     assert metrics["loss"] == pytest.approx(0.6931, abs=1e-4)  # equal policies: -log σ(0)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_dpo_margin_grows_and_saves_a_causal_lm(tmp_path):
     out = tmp_path / "dpo"

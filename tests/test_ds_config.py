@@ -173,6 +173,7 @@ print("equal" if all(torch.equal(a, b) for a, b in zip(*weights)) else "DIFFEREN
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1])
 def test_one_rank_stage_0_skips_the_identity_gradient_allreduce_bit_identically(stage):
     """One rank, ZeRO 0: DeepSpeed's gradient all-reduce copies every gradient into one flat buffer and back to
@@ -190,6 +191,7 @@ def test_one_rank_stage_0_skips_the_identity_gradient_allreduce_bit_identically(
     assert lines == (["skipped", "skipped", "equal"] if stage == 0 else ["allreduce", "allreduce", "equal"])
 
 
+@pytest.mark.slow
 def test_one_cpu_process_neither_builds_nor_loads_deepspeeds_shm_op():
     """A one-rank CPU group has nobody to all-reduce with: DeepSpeed's shared-memory op (a 1-2 min JIT compile
     on a fresh machine, and a shared buffer in /dev/shm) is skipped there; the 2-rank tests still use it."""

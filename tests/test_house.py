@@ -142,7 +142,7 @@ def sys_path_edits(path) -> list:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(_is_sys_path(t.value if isinstance(t, ast.Subscript) else t) for t in targets):
                 lines.append(node.lineno)
-    return lines
+    return sorted(lines)
 
 
 def test_no_shipped_script_edits_sys_path(tmp_path):

@@ -38,6 +38,7 @@ def test_flag_tables_match_the_parsers():
         assert f"<!-- flags:{name}:start -->" in FLAGS
 
 
+@pytest.mark.slow
 def test_check_mode_fails_on_a_stale_table(tmp_path):
     stale = tmp_path / "flags.md"
     stale.write_text(FLAGS.replace("| `--dry-run` |", "| `--dry-run-old` |"))
@@ -63,6 +64,7 @@ def test_algorithm_tables_are_the_specs():
     assert "default: 0.2 for ppo; 0.0003 for gspo; 1.0 for cispo" in FLAGS
 
 
+@pytest.mark.slow
 def test_check_mode_fails_when_a_spec_and_the_algorithms_page_disagree(tmp_path):
     stale = tmp_path / "algorithms.md"
     stale.write_text(PAGES["docs/algorithms.md"].replace("| ≥ 2 | k3 in the loss |", "| ≥ 2 | k1 in the loss |", 1))
@@ -84,8 +86,45 @@ def test_set_up_commands_come_first():
     first_section = README.split("\n## ")[1]
     assert first_section.startswith("Set-up")
     setup = code_blocks(first_section)[0].splitlines()
-    assert [line.split("#")[0].strip() for line in setup] == ["make demo", "make test"]
+    assert [line.split("#")[0].strip() for line in setup] == ["make demo", "make test-all"]
 
+
+def test_ci_runs_the_readmes_test_command_and_it_runs_every_test():
+    """.ci/run's command is the README's test command, ``make test-all``: ``make test`` (the fast tests) and
+    ``make test-slow`` (the rest), whose marker expressions (pytest.ini's markers) together select every test."""
+    setup = code_blocks(README.split("\n## ")[1])[0].splitlines()
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == setup[-1].split("#")[0].strip() == "make test-all"
+    make = (REPO / "Makefile").read_text()
+    fast = re.search(r"^FAST := (.*)$", make, re.M).group(1)
+    slow = re.search(r"^SLOW := (.*)$", make, re.M).group(1)
+    assert "$(MAKE) --no-print-directory test ||" in make and "$(MAKE) --no-print-directory test-slow ||" in make
+    for marks in [set(), {"slow"}, {"slow", "smoke"}, {"slow", "multiproc"}, {"multiproc"}]:  # exactly one of the two
+        where = {name: name in marks for name in ("slow", "multiproc", "smoke")}
+        assert eval(fast, {}, where) != eval(slow, {}, where), marks
+
+
+
+def test_every_test_the_docs_name_exists():
+    """``tests/test_x.py::test_name`` (and ``, ::other_name`` after it) in the README and docs/: the file holds the
+    test, so a renamed or split test file cannot leave a page pointing at nothing (DeepSpeed-Chat's own tests aside)."""
+    import ast
+
+    named, missing = 0, []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for m in re.finditer(r"(DeepSpeed-Chat's )?tests/(\w+\.py)((?:::\w+)?(?:,\s*::\w+)*)", page.read_text()):
+            if m.group(1):
+                continue
+            named += 1
+            path = REPO / "tests" / m.group(2)
+            if not path.exists():
+                missing.append(f"{page.name}: {m.group(0)}")
+                continue
+            tree = ast.parse(path.read_text())
+            defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+            missing += [f"{page.name}: {path.name}::{name}" for name in re.findall(r"::(\w+)", m.group(3))
+                        if name not in defined]
+    assert named > 100 and missing == []
 
 def test_train_py_commands_in_the_readme_parse():
     import train

@@ -306,6 +306,7 @@ def _hold_lock(folder):
     return proc
 
 
+@pytest.mark.slow
 def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     """A second run on a folder in use is refused with one line naming the first's process, before it deletes
     or writes anything (--overwrite included); kill -9 of the first frees the folder (flock dies with it)."""
@@ -330,6 +331,7 @@ def test_one_output_folder_one_run_and_a_killed_run_leaves_no_stale_lock(tmp_pat
     RunFolder(str(out)).lock()  # the killed holder's lock is gone
 
 
+@pytest.mark.slow
 def test_two_train_py_runs_on_one_output_dir(tmp_path):
     holder = _hold_lock(tmp_path / "run")
     try:

@@ -305,6 +305,7 @@ with folder:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, outcome", [
     ("set_aside", "earlier"), ("before_step", "earlier"),  # the earlier run comes back, byte for byte
     ("mid_commit", "unfinished"), ("after_step", "unfinished"), ("killsave", "unfinished"),

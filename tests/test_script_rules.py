@@ -126,6 +126,7 @@ def test_step3_with_a_reward_function_that_exits_ends_with_one_error_and_saves_n
 
 # --------------------------------------------------------------------------- (b) bench_real_rl's user mistakes
 
+@pytest.mark.slow
 def test_bench_real_rl_train_weights_without_a_weight_is_one_error(tmp_path):
     """Before: exit 0 ("skipped") without the model, a traceback from the data builder's subprocess with it; now
     checked before anything else."""
@@ -134,6 +135,7 @@ def test_bench_real_rl_train_weights_without_a_weight_is_one_error(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 def test_bench_real_rl_summarize_a_truncated_results_file_is_one_error(tmp_path):
     """Before: json.decoder.JSONDecodeError's traceback."""
     work = tmp_path / "seed1"
@@ -145,6 +147,7 @@ def test_bench_real_rl_summarize_a_truncated_results_file_is_one_error(tmp_path)
     one_error_line(run_python("bench/bench_real_rl.py", "--summarize", work), "not a results object")
 
 
+@pytest.mark.slow
 def test_bench_real_rl_unknown_row_is_refused_before_anything_runs(tmp_path):
     """Own case (R2): ``--rows gpro`` (a typo): before, exit 0 ("skipped") without the model, and with it an hour of
     base evaluation before "unknown row" (exit 1); now one error line first."""
@@ -271,6 +274,7 @@ def test_run_script_gives_one_line_and_the_documented_codes(capsys):
                    "interrupted; what it reported as done is kept, the rest was not run"]
 
 
+@pytest.mark.slow
 def test_run_main_keeps_a_pure_python_tool_free_of_torch():
     """utils.entrypoint no longer imports torch (the OOM clause's type is looked up when something is raised), so
     ``python bench/ifeval_data.py`` under run_script stays a pure-Python start."""
@@ -287,6 +291,7 @@ def test_the_data_tools_are_the_ones_tested_below():
     assert tools == DATA_TOOLS, "a new data tool: add its malformed inputs below"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, content, fragments", [
     ("missing", None, ["no such file"]),
     ("empty", "", ["no alpaca rows in it (an empty file)"]),
@@ -307,12 +312,14 @@ def test_ifeval_data_on_malformed_input_is_one_error(tmp_path, case, content, fr
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_chat_on_a_folder_with_no_model_is_one_error(tmp_path):
     """Own case (kept before too): chat.py --path at an empty folder."""
     (tmp_path / "empty").mkdir()
     one_error_line(run_python("chat.py", "--path", tmp_path / "empty"), str(tmp_path / "empty"), "no config.json")
 
 
+@pytest.mark.slow
 def test_the_tiny_model_writer_into_a_file_is_one_error(tmp_path):
     """Own case: ``python -m utils.model.tiny OUT`` where OUT is a file: before, FileExistsError's traceback."""
     (tmp_path / "taken").write_text("x")

@@ -55,6 +55,7 @@ def bad_input_runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_fails_fast_with_exit_code_2(case, bad_input_runs):
     rc, out, err, folder = bad_input_runs[case]
@@ -111,6 +112,7 @@ def test_zero0_run_via_cpu_script_lowers_perplexity(tmp_path):
     check_loads_and_generates(str(out))
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_zero2_lora_run_lowers_perplexity_and_saves_fused_model(tmp_path):
     import torch
@@ -140,6 +142,7 @@ def test_zero2_lora_run_lowers_perplexity_and_saves_fused_model(tmp_path):
     torch.testing.assert_close(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
 
 
+@pytest.mark.slow
 def test_prompt_eval_compares_two_local_folders(tmp_path):
     from utils.model.tiny import resolve_model_path
 

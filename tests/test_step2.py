@@ -71,6 +71,7 @@ def test_hh_rlhf_trains_and_reloads_with_identical_scores(tmp_path):
         assert direct == pytest.approx(cli, abs=1e-5)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_lora_zero2_only_optimize_lora_trains_v_head(tmp_path):
     from safetensors.torch import load_file

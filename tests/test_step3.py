@@ -41,6 +41,7 @@ def _differs(a, b):
     return any(not torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_ppo_with_ema_and_unsupervised_mixing(step12, tmp_path):
     actor, reward, cache = step12
@@ -122,6 +123,7 @@ def test_each_critic_free_estimator_end_to_end(step12, tmp_path, estimator):
             assert 0 <= r["reward"] <= 1
 
 
+@pytest.mark.slow
 def test_no_kl_term_builds_no_reference_model(tmp_path):
     """GRPO with --reward_fn ifeval on IFEval-format rows and --kl_ctl 0 (TRL's default β): no reference model is
     built (said once), no KL is logged, the old log-probs come from the training pass (one optimizer step a round),

@@ -88,6 +88,7 @@ def test_pass_through_args_come_last_and_win(tmp_path):
     assert cmd[-4:] == ["--max_steps", "2", "--learning_rate", "0.5"]
 
 
+@pytest.mark.slow
 def test_multi_node_dry_run_prints_hostfile_commands(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
@@ -105,6 +106,7 @@ def test_multi_node_dry_run_prints_hostfile_commands(tmp_path):
 
 # --------------------------------------------------------------------------- refusals and failures
 
+@pytest.mark.slow
 def test_step3_refuses_before_launching_when_step1_output_is_missing(tmp_path):
     out = tmp_path / "out"
     res = run_entry("train.py", "--step", "3", "--output-dir", out, timeout=120)
@@ -113,6 +115,7 @@ def test_step3_refuses_before_launching_when_step1_output_is_missing(tmp_path):
     assert "Running Step" not in res.stdout and not (out / "step3-models").exists()
 
 
+@pytest.mark.slow
 def test_failing_step_exits_nonzero_naming_step_and_log(tmp_path):
     out = tmp_path / "out"
     res = run_entry("train.py", "--step", "1", "2", "--output-dir", out,
@@ -124,6 +127,7 @@ def test_failing_step_exits_nonzero_naming_step_and_log(tmp_path):
     assert "Running Step 2" not in res.stdout  # later steps do not start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry_point", ["train.py", *[f"{s.folder}/main.py" for s in train.STEPS.values()],
                                          "step2_dpo_finetuning/main.py", "chat.py"])
 def test_help_is_offline_and_starts_no_process_group(entry_point):
@@ -137,6 +141,7 @@ def test_help_is_offline_and_starts_no_process_group(entry_point):
 
 # --------------------------------------------------------------------------- an end-to-end run
 
+@pytest.mark.smoke
 @pytest.mark.slow
 def test_steps_1_and_2_end_to_end_layout_and_summary(tmp_path):
     """Steps 1 + 2 for real (step 3's engines cost ~1 min of CPU more; its layout is covered by the plan tests)."""
@@ -174,6 +179,7 @@ def test_demo_defaults_to_tiny_llama_and_a_users_model_wins():
     assert train.parse_args(["--demo", "--reward-model", "tiny-opt"]).reward.label == "tiny-opt"
 
 
+@pytest.mark.slow
 def test_demo_reward_model_starts_from_the_step1_actor(tmp_path):
     plan = plan_for(["--demo", "--output-dir", str(tmp_path)])
     actor = str(tmp_path / "actor-models" / "tiny-llama")
@@ -312,6 +318,7 @@ def test_summary_of_empty_folders_still_draws(tmp_path):
     assert os.path.isfile(summary.plot_curves(folders, str(tmp_path / "c.png")))
 
 
+@pytest.mark.slow
 def test_train_py_runs_outside_the_repo_directory(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "train.py"), "--dry-run", "--step", "1", "--output-dir", "o"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)

@@ -57,19 +57,23 @@ def _rank() -> int:
         return 0
 
 
-def run_main(main: Callable, args) -> None:
+def run_main(main: Callable, args, imports=("torch",)) -> None:
     """Run an entry point: bad input ends with one clear line and exit code 2 (so does a full disk, from any
     writer), divergence with exit code 3, running out of GPU memory with one line naming the remedies and exit
     code 4, Ctrl-C with one line saying where the run stopped and how to resume, exit code 130, a reader of the
     output that went away (`| head`) quietly with exit code 141 (before this,
-    :func:`utils.interrupt.exit_quietly_on_ctrl_c` covers the imports and the parsing of the flags). What the
-    output folder does on each (``--overwrite``'s earlier run put back, or named as gone) is the run's
-    :class:`~utils.run_folder.RunFolder`'s business, inside ``main``."""
+    :func:`utils.interrupt.exit_quietly_on_ctrl_c` covers the imports and the parsing of the flags, and
+    ``imports``, the heavy modules ``main`` would import on its first lines: a Ctrl-C while they load is
+    "interrupted while starting", not a run's). What the output folder does on each (``--overwrite``'s earlier run
+    put back, or named as gone) is the run's :class:`~utils.run_folder.RunFolder`'s business, inside ``main``."""
+    import importlib
     import signal
 
     from utils.files import machine_write_failure_line
     from utils.interrupt import ENDED, exit_quietly_on_ctrl_c, raise_on_ctrl_c
 
+    for name in imports:
+        importlib.import_module(name)
     try:
         entry_script = raise_on_ctrl_c()  # the run starts: Ctrl-C now says where it stopped
         main(args)
@@ -97,10 +101,11 @@ def run_main(main: Callable, args) -> None:
         sys.exit(INTERRUPTED)
 
 
-def run_script(main: Callable[[], "int | None"]) -> None:
-    """A bench's or tool's ``main()`` (it parses ``sys.argv`` itself) under :func:`run_main`, its return value the
-    exit code: a user's mistake is one ``error:`` line and exit 2, Ctrl-C one line and exit 130, as every entry
-    point (tests/test_script_rules.py checks that each shipped script's ``__main__`` goes through one of these)."""
+def run_script(main: Callable[[], "int | None"], imports=()) -> None:
+    """A bench's or tool's ``main()`` (it parses ``sys.argv`` itself) under :func:`run_main` (``imports`` as there;
+    none by default: a pure-Python tool starts without torch), its return value the exit code: a user's mistake is
+    one ``error:`` line and exit 2, Ctrl-C one line and exit 130, as every entry point (tests/test_script_rules.py
+    checks that each shipped script's ``__main__`` goes through one of these)."""
     code = []
 
     def call(_args):
@@ -111,5 +116,5 @@ def run_script(main: Callable[[], "int | None"]) -> None:
         except KeyboardInterrupt:  # not a training step's: no checkpoint to name
             raise RunInterrupted("interrupted; what it reported as done is kept, the rest was not run") from None
 
-    run_main(call, None)
+    run_main(call, None, imports)
     sys.exit(code[0] if code and code[0] is not None else 0)
