@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo      - create .venv, install, run the built-in three-step demo on the tiny default
 #   make test-all  - create .venv, install, run every test (what CI runs, .ci/run): make test, then make test-slow
-# make test: the fast tests and a few end-to-end runs (marked smoke: one per step, the whole path; ~9 min on 2 cores);
-# make test-slow: every other test that starts a fresh Python (marked slow; multiproc: 2 ranks), ~35 min
+# make test: the fast tests and a few end-to-end runs (marked smoke: one per step, the whole path; 4 min on 2 cores);
+# make test-slow: every other test that starts a fresh Python (marked slow; multiproc: 2 ranks), 24 min
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
