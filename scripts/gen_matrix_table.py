@@ -273,8 +273,10 @@ LAUNCH_NOTES = [
     "- The tokenised-data cache is built once per node: local rank 0 builds it (files written to a "
     "temporary name and renamed), the others wait at a barrier and then read it.",
     "- ZeRO-3 saving gathers the partitioned weights (`save_hf_format` / `save_reward_model`): the saved "
-    "model has full shapes and loads with plain `from_pretrained`. Step 3 under ZeRO-3 generates with "
-    "`synced_gpus=True`, so ranks whose answers end early keep joining the other ranks' forward passes.",
+    "model has full shapes and loads with plain `from_pretrained`. Step 3 under ZeRO-3 gathers the actor's "
+    "weights once per rollout into a whole-weight copy that each rank generates from on its own (freed after the "
+    "rollout); only when that copy would not fit in memory does it generate with `synced_gpus=True`, so ranks "
+    "whose answers end early keep joining the other ranks' forward passes.",
     "- `--offload` on a CPU-only machine moves nothing (everything already lives in CPU memory) but switches "
     "the optimizer to DeepSpeedCPUAdam, which is compiled on first use (about a minute, cached in "
     "`~/.cache/torch_extensions`).",

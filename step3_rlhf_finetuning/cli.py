@@ -206,11 +206,10 @@ def validate_step3(args) -> None:
 
 
 def validate_generation_dtype(args) -> None:
-    """``--generation_dtype``: a copy of the actor's whole weights, in a dtype the actor does not already have."""
+    """``--generation_dtype``: a copy of the actor's whole weights, in a dtype the actor does not already have.
+    Under ZeRO-3 too: the copy's weights are gathered from the partitions once per rollout
+    (:class:`utils.generation.GenerationCopy`)."""
     flag = f"--generation_dtype {args.generation_dtype}"
-    if args.actor_zero_stage == 3:
-        raise UserInputError(f"{flag} copies the actor's whole weights: ZeRO-3 partitions them; use "
-                             "--actor_zero_stage 0, 1 or 2, or leave the flag out")
     if args.enable_hybrid_engine:
         raise UserInputError(f"{flag} and --enable_hybrid_engine both choose how the actor generates; give one")
     if args.dtype == args.generation_dtype and not args.torch_autocast:

@@ -164,13 +164,15 @@ class GenerationConfig:
     top_p: float = knob(1.0, None, shared=True)
     backend: str = knob("auto", "How the actor generates: cuda-graph (static KV cache, decode step replayed as a CUDA "
                                 "graph), static (same cache, eager), hf (model.generate); auto = cuda-graph on a GPU, "
-                                "hf on CPU. Falls back to hf, saying why, for ZeRO-3 and unchecked architectures.",
+                                "hf on CPU. Falls back to hf, saying why, for unchecked architectures, and under "
+                                "ZeRO-3 when a whole-weight copy of the actor would not fit in memory.",
                         flag="generation_backend", group=GENERATION, choices=_generation_backends)
     dtype: str | None = knob(  # generate from a copy of the actor in this dtype (None: the actor)
         None, "Generate from a bf16 copy of the actor, refreshed from its weights before each generation (default: "
               "the actor itself). With --torch_autocast the actor's weights are fp32 and generation runs the norms "
               "and the KV cache in fp32; the copy is faster. The training pass and its log-probs stay on the actor. "
-              "Costs 2 bytes of memory a parameter. Not with ZeRO-3 or the hybrid engine.",
+              "Costs 2 bytes of memory a parameter (under ZeRO-3 only during generation: gathered once per "
+              "rollout, freed after it). Not with the hybrid engine.",
         flag="generation_dtype", group=GENERATION, choices=("bf16",))
     eot_token: str | None = None  # the answer-ending token besides the EOS: the chat template's end of turn
     # (--apply_chat_template) or the --eot_token that --add_eot_token added; else None

@@ -130,23 +130,58 @@ class DeepSpeedPPOTrainer:
     # ------------------------------------------------------------------ generate
 
     def _make_generation_copy(self, dtype: str | None):
-        """``--generation_dtype``: the :class:`utils.generation.GenerationCopy` of the actor answers come from, or
-        None (the actor itself)."""
+        """The :class:`utils.generation.GenerationCopy` of the actor answers come from, or None (the actor itself):
+        in ``--generation_dtype``, and under ZeRO-3 (in that dtype, else the actor's) with whole weights gathered
+        once per rollout (:meth:`_copy_fits` decides each time whether it fits) and freed after it."""
         from utils.generation import GenerationCopy
         from utils.runtime import torch_dtype
 
-        if dtype is None:
+        if self.hybrid_engine:
+            if dtype is not None:  # main refuses it; a direct caller gets the same rule
+                raise ValueError("--generation_dtype and the hybrid engine both choose how the actor generates")
             return None
-        if self.z3_enabled or self.hybrid_engine:  # main refuses both; a direct caller gets the same rule
-            raise ValueError("--generation_dtype copies the actor's whole weights: not with ZeRO-3 or the hybrid "
-                             "engine")
-        copy = GenerationCopy(self.actor_model.module, torch_dtype(dtype))
-        self.log(f"generation: from a {dtype} copy of the actor, refreshed before each generation")
+        if dtype is None and not self.z3_enabled:
+            return None
+        copy = GenerationCopy(self.actor_model.module, torch_dtype(dtype) if dtype else None,
+                              device=getattr(self.actor_model, "device", None))
+        if not copy.partitioned:
+            self.log(f"generation: from a {dtype} copy of the actor, refreshed before each generation")
+            return copy
+        what = dtype or str(copy.dtype).removeprefix("torch.")
+        self.log(f"generation: ZeRO-3 actor: its weights are gathered once per rollout into a whole {what} copy "
+                 f"({copy.nbytes / 2 ** 20:.1f} MiB on each rank, freed after the rollout) that each rank generates "
+                 "from on its own")
+        self._copy_fitted = True  # the last decision of _copy_fits (said when it changes)
         return copy
+
+    def _copy_fits(self, rows: int) -> bool:
+        """ZeRO-3: does the whole-weight copy fit for a rollout of ``rows`` answers on every rank
+        (:func:`utils.generation.copy_fits`)? All ranks decide alike (the gathering and the synced ``generate`` are
+        both collective); the reason is said when the decision changes."""
+        from utils.generation import available_memory, copy_fits, kv_cache_bytes
+
+        copy, generator = self.generation_copy, self.generator
+        cached = getattr(generator, "cache", None) is not None and getattr(generator, "batch_size", 0) >= rows
+        length = self.generation.max_prompt_seq_len + self.max_answer_seq_len
+        kv = 0 if cached else kv_cache_bytes(copy.module.config, rows, length, copy.dtype)
+        fits, why = copy_fits(copy.nbytes, kv, copy.gather_bytes, available_memory(copy.device))
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and get_world_size() > 1:
+            flag = torch.tensor([int(fits)], device=copy.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            if fits and not bool(flag.item()):
+                why = "another rank's whole-weight copy would not fit; generating with model.generate (synced)"
+            fits = bool(flag.item())
+        if fits != self._copy_fitted and not fits:
+            self.warn(f"generation: {why}")
+        elif fits != self._copy_fitted:
+            self.log("generation: the whole-weight copy fits again; generating from it")
+        self._copy_fitted = fits
+        return fits
 
     @property
     def generation_module(self):
-        """The module answers are generated with: the ``--generation_dtype`` copy, or the actor's module."""
+        """The module answers are generated with: the :class:`~utils.generation.GenerationCopy` (``--generation_dtype``,
+        ZeRO-3's whole weights), or the actor's module."""
         return self.generation_copy.module if self.generation_copy is not None else self.actor_model.module
 
     def _make_generator(self, requested: str):
@@ -168,14 +203,16 @@ class DeepSpeedPPOTrainer:
                                self.end_token_ids, self.pad_token_id, use_cuda_graph=backend == "cuda-graph",
                                log=self.log)
 
-    def _prefilled_cache(self, prompts: torch.Tensor, mask: torch.Tensor, group: int):
+    def _prefilled_cache(self, prompts: torch.Tensor, mask: torch.Tensor, group: int, module=None):
         """``generate``'s KV cache for all but the last token of each group's prompt, run once per group and repeated
-        for its ``group`` rows; None where the plain ``generate`` must do it (one answer per prompt, ZeRO-3, the
-        hybrid engine, a model without the cache API)."""
+        for its ``group`` rows; None where the plain ``generate`` must do it (one answer per prompt, ZeRO-3
+        partitions, the hybrid engine, a model without the cache API). ``module``: the one generating (default
+        :attr:`generation_module`)."""
+        from utils.generation import is_partitioned
         from utils.model.lean_forward import cache_parameter, output_cache, shared_group_size
 
-        module = self.generation_module
-        if (group <= 1 or self.z3_enabled or self.hybrid_engine or prompts.shape[1] < 2
+        module = module if module is not None else self.generation_module
+        if (group <= 1 or is_partitioned(module) or self.hybrid_engine or prompts.shape[1] < 2
                 or not can_share_prompt(module) or shared_group_size(prompts, mask, group) != group):
             return None
         head, head_mask = prompts[::group, :-1], mask[::group, :-1]
@@ -193,28 +230,39 @@ class DeepSpeedPPOTrainer:
         from utils.generation import generate_kwargs
         from utils.model.lean_forward import cache_parameter
 
-        gen = self.generation
-        if self.generation_copy is not None:
-            self.generation_copy.refresh()  # the actor's weights after its last step, in the copy's dtype
+        gen, copy = self.generation, self.generation_copy
+        # ZeRO-3: the whole-weight copy when it fits (else the partitioned actor, every rank in step)
+        use_copy = copy is not None and (not copy.partitioned or self._copy_fits(len(prompts)))
+        if use_copy:
+            if copy.partitioned:
+                release_in_flight(self.actor_model)
+            copy.refresh()  # the actor's weights after its last step, in the copy's dtype
+        module = copy.module if use_copy else self.actor_model.module
+        generator = self.generator if use_copy or copy is None else None
         # --torch_autocast: DeepSpeed autocasts an engine's own forward; generation and forward_value call the module
         # directly, so they run under the engine's autocast here (never a backward). A --generation_dtype copy
         # runs in its own dtype.
-        precision = autocast_if_enabled(self.actor_model) if self.generation_copy is None else contextlib.nullcontext()
-        with torch.no_grad(), precision:
-            if self.generator is not None:
-                seq = self.generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
-                                              top_k=gen.top_k, top_p=gen.top_p)
-            else:
-                # sampling through a logits processor: torch.multinomial costs a quarter of the CPU's generation
-                kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
-                              pad_token_id=self.pad_token_id, eos_token_id=list(self.end_token_ids),
-                              synced_gpus=self.z3_enabled, use_cache=True,
-                              **generate_kwargs(gen.do_sample, gen.temperature, gen.top_k, gen.top_p))
-                cache = self._prefilled_cache(prompts, mask, group)
-                if cache is not None:
-                    kwargs[cache_parameter(self.generation_module)] = cache
-                # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
-                seq = self.generation_module.generate(prompts, **kwargs)
+        casts = use_copy and gen.dtype is not None
+        precision = contextlib.nullcontext() if casts else autocast_if_enabled(self.actor_model)
+        try:
+            with torch.no_grad(), precision:
+                if generator is not None:
+                    seq = generator.generate(prompts, mask, do_sample=gen.do_sample, temperature=gen.temperature,
+                                             top_k=gen.top_k, top_p=gen.top_p)
+                else:
+                    # sampling through a logits processor: torch.multinomial costs a quarter of the CPU's generation
+                    kwargs = dict(attention_mask=mask, max_new_tokens=self.max_answer_seq_len,
+                                  pad_token_id=self.pad_token_id, eos_token_id=list(self.end_token_ids),
+                                  synced_gpus=self.z3_enabled and not use_copy, use_cache=True,
+                                  **generate_kwargs(gen.do_sample, gen.temperature, gen.top_k, gen.top_p))
+                    cache = self._prefilled_cache(prompts, mask, group, module)
+                    if cache is not None:
+                        kwargs[cache_parameter(module)] = cache
+                    # the module's generate, as DeepSpeed-Chat: an active hybrid engine has replaced it with its own
+                    seq = module.generate(prompts, **kwargs)
+        finally:
+            if use_copy and copy.partitioned:
+                copy.release()  # ZeRO-3: the memory goes back to training (GenerationCopy)
         seq = seq[:, :prompts.shape[1] + self.max_answer_seq_len]
         answers = seq[:, prompts.shape[1]:]
         generated = answers.shape[1]
@@ -537,6 +585,20 @@ class DeepSpeedPPOTrainer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+def release_in_flight(engine) -> None:
+    """ZeRO-3: release the parameters a prefetch left in flight (gathering them would fail: "Cannot partition a param
+    in flight"), as :func:`utils.model.model_utils.release_zero3_params` does but without the engine's
+    ``gc.collect()`` and cache emptying around it: 0.5 s a call in step 3's process on the CPU, twice a tiny model's
+    whole generation (the free memory :func:`utils.generation.available_memory` reads counts the allocator's cache)."""
+    from utils.model.model_utils import release_zero3_params
+
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "empty_partition_cache"):
+        optimizer.empty_partition_cache()
+    else:
+        release_zero3_params(engine, 3)
+
 
 def end_of_answer_token_ids(tokenizer, eot_token: str | None = None) -> tuple:
     """The tokens that end an answer: EOS, and ``eot_token`` (``--eot_token`` when ``--add_eot_token`` added it

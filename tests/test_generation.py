@@ -219,8 +219,11 @@ def test_choose_backend():
     backend, why = choose_backend("cuda-graph", model)
     assert backend == "static" and "CUDA graphs need a CUDA device" in why
     assert choose_backend("static", model) == ("static", None)
+    assert choose_backend("static", model, zero_stage=3) == ("static", None)  # whole weights: a ZeRO-3 actor's copy
+    next(model.parameters()).ds_id = 0  # as DeepSpeed marks a ZeRO-3 partition
     backend, why = choose_backend("static", model, zero_stage=3)
     assert backend == "hf" and "ZeRO-3" in why
+    del next(model.parameters()).ds_id
     model.config.model_type = "gpt2"
     backend, why = choose_backend("static", model)
     assert backend == "hf" and "'gpt2'" in why
