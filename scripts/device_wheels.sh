@@ -4,7 +4,8 @@
 # That machine has Python 3.12, torch, transformers, accelerate, peft, tensorboard, tokenizers and
 # nvcc, but no package index and no deepspeed or datasets. This fetches, at the versions this
 # checkout's .venv runs, the wheels of datasets and its missing needs, DeepSpeed's needs, transformers
-# (to match CI) and DeepSpeed's source archive (built there, against that machine's torch and CUDA).
+# (to match CI), DeepSpeed's source archive (built there, against that machine's torch and CUDA) and TRL
+# (pure Python; the peer bench's other side).
 #
 #   bash scripts/device_wheels.sh            # here, once (~50 MB)
 # and each device command, with .whl carried, starts with
@@ -29,5 +30,8 @@ for package in datasets dill multiprocess hjson pydantic pydantic-core annotated
     "${platforms[@]}" -d .whl "$package==$(version "$package")"
 done
 python3 -m pip download -q --no-deps --no-binary :all: -d .whl "deepspeed==$(version deepspeed)"
+# TRL, the peer bench's other side (bench/bench_peers.py --peer-python python3), at the bench's pinned version
+trl=$(sed -n 's/^TRL_VERSION = "\(.*\)"/\1/p' bench/bench_peers.py)
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl "trl==$trl"
 ls -1 .whl
 du -sh .whl

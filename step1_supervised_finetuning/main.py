@@ -110,13 +110,13 @@ def run(args, folder):
         for batch in epoch_batches(train_loader, position, args, log, f"step1 epoch {epoch + 1}",
                                    args.gradient_accumulation_steps):
             start = time.time()
+            tokens += int(batch["tokens"])  # read on the host, before the copy (no device sync)
             batch = to_device(batch, device)
             loss = label_loss(model, batch["input_ids"], batch["attention_mask"], batch["labels"],
                               batch.get("position_ids"))
             model.backward(loss)
             model.step()
             accumulated = loss.detach().float() + (0.0 if accumulated is None else accumulated)
-            tokens += int(batch["tokens"])
             if model.global_steps == position.step:  # gradients accumulated, no optimizer step yet
                 continue
             # the step's one host sync; a NaN in any micro-batch of the step stops the run before any save

@@ -78,14 +78,15 @@ def dpo_loss_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torc
     return attention_mask.long() * after_prefix.long()
 
 
-def dpo_batch(model, ref_model, batch, beta: float, label_smoothing: float) -> dict:
-    """Loss (with gradient) and detached per-pair statistics for one ``[chosen; rejected]`` batch."""
+def dpo_batch(model, ref_model, batch, beta: float, label_smoothing: float, share_prompt: bool | None = None) -> dict:
+    """Loss (with gradient) and detached per-pair statistics for one ``[chosen; rejected]`` batch; ``share_prompt``:
+    :func:`~utils.model.lean_forward.pair_log_probs`'s (None: by device, the shared prefix on a CPU only)."""
     ids, att = batch["input_ids"], batch["attention_mask"]
     B = ids.shape[0] // 2
     mask = dpo_loss_mask(ids, att)
-    logps = pair_log_probs(model, ids, att, mask)  # each pair's prompt once, the LM head on the answers alone
+    logps = pair_log_probs(model, ids, att, mask, share_prompt)  # the LM head on the answers alone
     with torch.no_grad():
-        ref_logps = pair_log_probs(ref_model, ids, att, mask)
+        ref_logps = pair_log_probs(ref_model, ids, att, mask, share_prompt)
     loss, chosen_rewards, rejected_rewards = dpo_loss(logps[:B], logps[B:], ref_logps[:B], ref_logps[B:], beta,
                                                       label_smoothing)
     return {"loss": loss, "chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
@@ -176,12 +177,12 @@ def run(args, folder):
         for batch in epoch_batches(train_loader, position, args, log, f"dpo epoch {epoch + 1}",
                                    args.gradient_accumulation_steps):
             start = time.time()
+            tokens += int(batch["attention_mask"].sum())  # on the host, before the copy (no device sync)
             batch = to_device(batch, device)
             out = dpo_batch(model, ref_model, batch, args.beta, args.label_smoothing)
             check_finite(position.step + 1, loss=out["loss"])
             model.backward(out["loss"])
             model.step()
-            tokens += int(batch["attention_mask"].sum())
             if model.global_steps == position.step:  # gradients accumulated, no optimizer step yet
                 continue
             stats = summarize(out)

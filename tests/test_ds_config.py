@@ -191,6 +191,60 @@ def test_one_rank_stage_0_skips_the_identity_gradient_allreduce_bit_identically(
     assert lines == (["skipped", "skipped", "equal"] if stage == 0 else ["allreduce", "allreduce", "equal"])
 
 
+BF16_STEP = r"""
+import torch
+from types import SimpleNamespace
+from transformers import AutoModelForCausalLM
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from utils.distributed import init_distributed
+from utils.ds_utils import get_train_ds_config
+from utils.training import OptimConfig, make_engine
+from utils.model.model_utils import create_hf_model, load_hf_tokenizer
+
+init_distributed(SimpleNamespace(local_rank=-1))
+tokenizer = load_hf_tokenizer("tiny-llama")
+weights = []
+for ours in (True, False):
+    torch.manual_seed(0)
+    model = create_hf_model(AutoModelForCausalLM, "tiny-llama", tokenizer, dropout=0.0)
+    config = get_train_ds_config(offload=False, dtype="bf16", stage=0)
+    config.update(train_micro_batch_size_per_gpu=4, train_batch_size=4, gradient_clipping=1.0)
+    engine = make_engine(model, config, OptimConfig(1e-3, 0.1, 1e-3, False, "constant", 0), total_steps=3)
+    print(type(engine.optimizer).__name__, "skipped" if not engine.enable_backward_allreduce else "allreduce")
+    if not ours:  # the second run: DeepSpeed's own step and all-reduce
+        engine.optimizer.__class__, engine.enable_backward_allreduce = FP16_UnfusedOptimizer, True
+    torch.manual_seed(1)
+    ids = torch.randint(4, 200, (4, 12))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    print("skipped steps", engine.skipped_steps, "norm", engine.get_global_grad_norm())
+    weights.append([p.detach().clone() for group in engine.optimizer.fp32_groups for p in group])
+moved = sum(not torch.equal(a, b) for a, b in zip(*weights))
+close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(*weights))
+print("close" if close else "DIFFERENT", "differing tensors", moved)
+"""
+
+
+@pytest.mark.slow
+def test_bf16_at_zero_0_trains_with_the_fused_step_as_deepspeeds_own():
+    """``--dtype bf16`` at ZeRO 0 through make_engine: DeepSpeed's wrapper gets the multi-tensor step and the identity
+    all-reduce is skipped; a step of tiny-llama gives DeepSpeed's own path's norm and fp32 master weights to float
+    rounding (the norm's sum runs in another order: over more steps Adam turns such rounding into flips of ±lr
+    where a gradient is near 0, as any reordering of the sums would)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-c", BF16_STEP], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("FusedBf16Optimizer skipped") == 2 and out.count("skipped steps 0 norm") == 2, out
+    norms = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("skipped steps")]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and "close" in out, out
+
+
 @pytest.mark.slow
 def test_one_cpu_process_neither_builds_nor_loads_deepspeeds_shm_op():
     """A one-rank CPU group has nobody to all-reduce with: DeepSpeed's shared-memory op (a 1-2 min JIT compile
@@ -234,3 +288,81 @@ def test_adam_betas_reach_every_steps_optimizer_and_out_of_range_ones_are_refuse
     with pytest.raises(SystemExit):
         step1_args(["--adam_betas", "0.9", "1.0"])
     assert "--adam_betas: must be in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bf16 at ZeRO 0: the fused step
+
+def _unfused_pair(monkeypatch, layers: int = 6, clip: float = 1.0):
+    """Two identical bf16 models, each under DeepSpeed's ``FP16_UnfusedOptimizer`` around a torch AdamW; the second
+    with :func:`ds_utils.fuse_bf16_step`'s class (no process group: DeepSpeed's rank lookup is stubbed)."""
+    import deepspeed.comm
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)]).to(torch.bfloat16)
+        groups = ds_utils.get_optimizer_grouped_parameters(model, 0.1)
+        inner = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True)
+        pairs.append((model, FP16_UnfusedOptimizer(inner, low_precision_dtype=torch.bfloat16, clip_grad=clip)))
+    pairs[1][1].__class__ = ds_utils._fused_unfused_optimizer()
+    return pairs
+
+
+def _train(model, optimizer, steps: int, scale: float = 1.0):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        (model(x).float().pow(2).sum() * scale).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])  # gradient norm below / above the clip
+def test_fused_bf16_step_trains_as_deepspeeds_unfused_step(monkeypatch, scale):
+    """bf16 weights at ZeRO 0: the multi-tensor step (utils.ds_utils.bf16_master_step) gives the weights, the fp32
+    masters, the norm and the Adam moments of DeepSpeed's per-parameter step, clipped or not, to float rounding."""
+    (ref_model, ref), (model, fused) = _unfused_pair(monkeypatch)
+    _train(ref_model, ref, 3, scale)
+    _train(model, fused, 3, scale)
+    assert fused._global_grad_norm == pytest.approx(ref._global_grad_norm, rel=1e-4)
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)  # bf16 copies of masters within float rounding: the same bf16 values
+    for a, b in zip((p for g in ref.fp32_groups for p in g), (p for g in fused.fp32_groups for p in g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ref.optimizer.state[a][key], fused.optimizer.state[b][key], rtol=1e-4,
+                                       atol=1e-10)
+    assert fused.state_dict().keys() == ref.state_dict().keys()  # checkpoints keep DeepSpeed's format
+
+
+def test_fused_bf16_step_skips_an_inf_gradient_as_deepspeed_does(monkeypatch):
+    """An inf gradient: no weight changes, the step is reported as an overflow (the engine counts it skipped)."""
+    _, (model, fused) = _unfused_pair(monkeypatch)
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum() * float("inf")).backward()
+    assert fused.step() is True and fused.overflow
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fused_bf16_step_runs_a_few_ops_and_one_host_sync_whatever_the_parameter_count(monkeypatch):
+    """DeepSpeed's unfused step runs ops and host syncs per parameter (a GPU launches a kernel per op); the fused
+    step runs the same few multi-tensor ops and reads one number back, for 12 parameters or 120."""
+    from utils.op_count import OpCounter
+
+    def count_ops(fn):
+        with OpCounter() as ops:
+            fn()
+        return ops.kernel_count, ops.sync_count
+
+    counts = {}
+    for layers in (6, 60):
+        (ref_model, ref), (model, fused) = _unfused_pair(monkeypatch, layers)
+        for net, optimizer, name in ((ref_model, ref, "deepspeed"), (model, fused, "fused")):
+            net(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            counts[name, 2 * layers] = count_ops(optimizer.step)
+    print(counts)
+    assert counts["deepspeed", 120][1] >= 120 and counts["deepspeed", 120][0] >= 10 * 120
+    assert counts["fused", 12][1] == counts["fused", 120][1] == 1
+    assert counts["fused", 120][0] == counts["fused", 12][0] <= 20

@@ -421,3 +421,159 @@ def test_generation_with_the_prompt_prefilled_once_per_group_gives_the_same_answ
     shared, _ = trainer._generate_sequence(prompts, mask, group=3)
     plain, _ = trainer._generate_sequence(prompts, mask, group=1)
     assert torch.equal(shared, plain)
+
+
+# --------------------------------------------------------------------------- GPU shapes and passes, counted on a CPU
+
+
+def test_the_device_rules_round_and_concatenate_on_a_gpu_only():
+    """One place says what a GPU does differently: lengths rounded up to 64 (few shapes), pairs as one concatenated
+    pass (half the passes); a CPU keeps exact lengths and the shared prefix (fewer FLOPs)."""
+    from utils.model.lean_forward import shape_multiple, shares_prefix
+
+    assert shape_multiple(torch.device("cuda")) == 64 and shape_multiple(torch.device("cuda", 3)) == 64
+    assert shape_multiple(torch.device("cpu")) == 1
+    assert not shares_prefix(torch.device("cuda")) and shares_prefix(torch.device("cpu"))
+
+
+def _lm_head_inputs(lm, fn):
+    """The shapes of the hidden states ``lm``'s LM head ran on during ``fn()``."""
+    shapes = []
+    handle = lm.get_output_embeddings().register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    try:
+        fn()
+    finally:
+        handle.remove()
+    return shapes
+
+
+def _sft_rows(lm):
+    """3 right-padded rows, labels on answers of 2, 5 and 4 tokens that start at different columns (the last label
+    at column 17)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, lm.config.vocab_size, (3, 20), generator=g)
+    mask = torch.ones_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, (start, n, length) in enumerate(((3, 2, 20), (9, 5, 16), (14, 4, 18))):
+        labels[row, start:start + n] = ids[row, start:start + n]
+        mask[row, length:] = 0
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("multiple", [1, 8])  # 8: the GPU's rounding, at the scale of a 20-column batch
+def test_label_loss_runs_the_lm_head_at_the_label_positions_alone(lm, monkeypatch, multiple):
+    """Step 1's LM head (and its float32 copy) covers each row's label positions, K = the most any row has (5 here),
+    not the window from the first label to the last (15 columns) nor the whole row (20); rounded up on a GPU, the
+    fed columns and K are multiples (the extra positions weigh 0) and the loss is unchanged."""
+    from utils.model import lean_forward
+    from utils.rl_math import causal_lm_loss
+
+    monkeypatch.setattr(lean_forward, "shape_multiple", lambda device: multiple)
+    ids, mask, labels = _sft_rows(lm)
+    with torch.no_grad():
+        expected = causal_lm_loss(lm(ids, attention_mask=mask, position_ids=position_ids(mask)).logits, labels)
+        shapes = _lm_head_inputs(lm, lambda: assert_close(lean_forward.label_loss(lm, ids, mask, labels), expected,
+                                                          atol=1e-5, rtol=1e-5))
+    assert [shape[:2] for shape in shapes] == [(3, 5 if multiple == 1 else 8)]
+    fed = []
+    handle = lm.register_forward_pre_hook(lambda m, args, kwargs: fed.append(args[0].shape[1]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            lean_forward.label_loss(lm, ids, mask, labels)
+    finally:
+        handle.remove()
+    assert fed == [17 if multiple == 1 else 20]  # the last label (column 17) is predicted from 16; 24 → the width 20
+
+
+def test_label_loss_window_fallback_gives_the_same_loss_and_gradients(lm, monkeypatch):
+    """A model whose forward does not take per-row positions gets the column window: same loss, same gradients."""
+    from utils.model import lean_forward
+
+    ids, mask, labels = _sft_rows(lm)
+    results = []
+    for positions in (True, False):
+        monkeypatch.setattr(lean_forward, "keeps_positions", lambda model, keep=positions: keep)
+        lm.zero_grad()
+        loss = lean_forward.label_loss(lm, ids, mask, labels)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in lm.parameters() if p.grad is not None]))
+    lm.zero_grad()
+    assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_keeps_positions_is_transformers_causal_lms():
+    from utils.model.lean_forward import keeps_positions
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, logits_to_keep=0):
+            return input_ids
+
+    assert not keeps_positions(Plain())
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_pair_log_probs_on_a_gpu_run_one_pass_rounded_and_equal(lm, monkeypatch, multiple):
+    """DPO on a GPU: one concatenated pass (no shared prefix), rounded shapes, the full logits' sums."""
+    from utils.model import lean_forward
+    from utils.rl_math import sequence_log_probs
+
+    monkeypatch.setattr(lean_forward, "shape_multiple", lambda device: multiple)
+    monkeypatch.setattr(lean_forward, "shares_prefix", lambda device: False)
+    ids, att, mask = dpo_rows(lm)
+    with torch.no_grad():
+        expected = sequence_log_probs(lm(ids, attention_mask=att, position_ids=position_ids(att)).logits, ids, mask)
+        shapes = _lm_head_inputs(lm, lambda: assert_close(lean_forward.pair_log_probs(lm, ids, att, mask), expected,
+                                                          atol=1e-5, rtol=1e-5))
+    assert len(shapes) == 1 and shapes[0][0] == 6 and shapes[0][1] % multiple == 0
+
+
+def test_dpo_step_on_a_gpu_runs_half_the_passes_and_fewer_ops():
+    """A DPO step (policy with gradients, reference without) as a GPU runs it: 2 forward passes instead of the shared
+    prefix's 4, and fewer ops (a GPU launches a kernel per op); printed: ops and host syncs of each path."""
+    from transformers import AutoModelForCausalLM
+
+    from step2_dpo_finetuning.main import dpo_batch
+    from utils.model.lean_forward import shares_prefix
+    from utils.model.tiny import resolve_model_path
+    from utils.op_count import OpCounter
+
+    path = resolve_model_path("tiny-llama")
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, att, _ = dpo_rows(policy)
+    counts = {}
+    for share in (True, False):
+        calls = []
+        hooks = [m.register_forward_pre_hook(lambda *a: calls.append(1)) for m in (policy, reference)]
+        with OpCounter() as ops:
+            out = dpo_batch(policy, reference, {"input_ids": ids, "attention_mask": att}, 0.1, 0.0,
+                            share_prompt=share)
+            out["loss"].backward()
+        for h in hooks:
+            h.remove()
+        policy.zero_grad()
+        counts[share] = (len(calls), ops.kernel_count, ops.sync_count, float(out["loss"].detach()))
+    print({"shared prefix" if k else "one pass": v for k, v in counts.items()})
+    assert counts[True][0] == 4 and counts[False][0] == 2
+    assert counts[False][1] < counts[True][1] and counts[False][2] < counts[True][2]
+    assert counts[False][3] == pytest.approx(counts[True][3], abs=1e-5)
+    assert dpo_batch.__defaults__ == (None,) and shares_prefix(ids.device)  # by device unless forced
+
+
+def test_reward_model_pairs_run_as_one_pass_on_a_gpu(monkeypatch):
+    """Step 2's reward model follows the same rule (lean_forward.shares_prefix): the shared start once on a CPU, one
+    plain pass on a GPU."""
+    from utils.model import lean_forward
+    from utils.model.critic import create_critic_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.tiny import resolve_model_path
+
+    path = resolve_model_path("tiny-llama")
+    model = create_critic_model(path, load_hf_tokenizer(path), None, num_padding_at_beginning=0)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 10, 11, 12]])
+    att = (ids != 0).long()
+    assert model._pair_values(ids, att) is not None
+    monkeypatch.setattr(lean_forward, "shares_prefix", lambda device: False)
+    assert model._pair_values(ids, att) is None

@@ -151,3 +151,98 @@ def create_optimizer(model, weight_decay: float, learning_rate: float, lora_lear
 
     fused = get_accelerator().device_name() in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+
+# --------------------------------------------------------------------------- bf16 at ZeRO 0: a fused optimizer step
+
+def fuses_bf16_step(engine) -> bool:
+    """Whether :func:`fuse_bf16_step` applies to ``engine``: bf16 weights at ZeRO 0 (``--dtype bf16``, no
+    ``--torch_autocast``), where DeepSpeed wraps the optimizer in its ``FP16_UnfusedOptimizer`` (fp32 master
+    weights), without model parallelism or MoE layers (whose norms DeepSpeed reduces across ranks)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    optimizer = getattr(engine, "optimizer", None)
+    return (type(optimizer) is FP16_UnfusedOptimizer and engine.bfloat16_enabled()
+            and engine.zero_optimization_stage() == 0 and optimizer.mpu is None and not optimizer.fused_lamb_legacy
+            and not getattr(engine, "has_moe_layers", False))
+
+
+def fuse_bf16_step(engine) -> bool:
+    """Give ``engine``'s bf16 ZeRO-0 optimizer (:func:`fuses_bf16_step`) a step of a few multi-tensor kernels and one
+    host sync; True when it did. Everything else (fp32 master weights, state dict, checkpoints) stays DeepSpeed's.
+
+    DeepSpeed's ``FP16_UnfusedOptimizer.step`` walks the parameters one by one: an inf/NaN check and a norm per
+    gradient, each read back to the host (a sync per parameter: 272 for SmolLM2-135M), then a float32 copy, an
+    unscale and a copy back per parameter: ~5,700 small kernels a step on a GPU, where a fused AdamW is ~20.
+    :func:`bf16_master_step` does the same maths with ``torch._foreach_*`` ops (a CUDA multi-tensor kernel each)
+    and the one sync the engine needs (it reads ``optimizer.overflow`` after the step)."""
+    if not fuses_bf16_step(engine):
+        return False
+    engine.optimizer.__class__ = _fused_unfused_optimizer()  # a subclass adding no state: only step() differs
+    return True
+
+
+def bf16_master_step(params16: list, masters: list, optimizer, clip_grad: float, loss_scale: float = 1.0) -> float:
+    """One step of ``optimizer`` (over the float32 ``masters``) from the bf16 ``params16``'s gradients, the new
+    weights copied back into ``params16``; returns the gradients' global L2 norm (inf/NaN: nothing is changed).
+
+    The maths of DeepSpeed's ``FP16_UnfusedOptimizer.step``: the norm of all gradients (float32), each gradient
+    (None = zeros) in float32 divided by ``loss_scale``, times ``clip_grad / (norm + 1e-6)`` where that is below 1,
+    the optimizer's step, the masters copied into the bf16 weights. Kernels: a foreach norm, the copies and the
+    scaling as multi-tensor ops, the optimizer's own (fused AdamW: one); host syncs: one (the norm).
+    """
+    import torch
+
+    if not params16:  # nothing trained: the optimizer's step has nothing to do
+        return 0.0
+    grads16 = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params16]
+    norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads16, 2.0, dtype=torch.float32))))
+    if norm != norm or norm in (float("inf"), float("-inf")):
+        return norm
+    flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32, device=masters[0].device)
+    grads32 = [g.view_as(m) for g, m in zip(flat.split([m.numel() for m in masters]), masters)]
+    torch._foreach_copy_(grads32, grads16)
+    combined = loss_scale
+    if clip_grad > 0:
+        clip = ((norm / loss_scale) + 1e-6) / clip_grad
+        if clip > 1:
+            combined = clip * loss_scale
+    if combined != 1.0:
+        torch._foreach_mul_(grads32, 1.0 / combined)
+    for master, grad in zip(masters, grads32):
+        master.grad = grad
+    optimizer.step()
+    for master in masters:
+        master.grad = None
+    with torch.no_grad():
+        torch._foreach_copy_([p.data for p in params16], masters)
+    return norm
+
+
+_FUSED_CLASS = None
+
+
+def _fused_unfused_optimizer():
+    """``FP16_UnfusedOptimizer`` with :func:`bf16_master_step` as its step (built once, on first use: importing
+    DeepSpeed's optimizers is not free)."""
+    global _FUSED_CLASS
+    if _FUSED_CLASS is None:
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+        class FusedBf16Optimizer(FP16_UnfusedOptimizer):
+            """DeepSpeed's bf16 ZeRO-0 optimizer wrapper with a multi-tensor step (:func:`fuse_bf16_step`)."""
+
+            def step(self, closure=None):
+                params16 = [p for group in self.fp16_groups for p in group]
+                masters = [p for group in self.fp32_groups for p in group]
+                norm = bf16_master_step(params16, masters, self.optimizer, self.clip_grad,
+                                        self.loss_scale_config.cur_scale)
+                self._global_grad_norm = norm
+                if norm != norm or norm in (float("inf"), float("-inf")):
+                    return self._skip_invalid_grad_norm()  # what DeepSpeed's step does on an inf/NaN gradient
+                self.overflow = False
+                self._update_scale(False)
+                return self.overflow
+
+        _FUSED_CLASS = FusedBf16Optimizer
+    return _FUSED_CLASS

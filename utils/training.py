@@ -293,21 +293,26 @@ class OptimConfig:
 
 def skips_identity_allreduce(engine) -> bool:
     """Whether ``engine``'s gradient all-reduce is an identity we can skip: one data-parallel rank, ZeRO stage 0,
-    no bf16 optimizer wrapper. DeepSpeed still runs it there, flattening every gradient into one new buffer and
-    copying it back (a transient copy of all gradients, 200 MB for a 50 M-parameter model, and its time): averaging
-    over one rank changes nothing, so skipping it leaves every result bit-identical."""
-    return (engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled()
-            and not getattr(engine, "has_moe_layers", False))
+    fp32 or bf16 (fp16's loss-scaled path is left to DeepSpeed, untested), no ``BF16_Optimizer`` (which
+    accumulates its fp32 gradients around it; bf16 at ZeRO 0 has the plain wrapper of
+    :func:`utils.ds_utils.fuse_bf16_step`). DeepSpeed still runs it there, flattening every gradient into one new
+    buffer and copying it back (a transient copy of all gradients, 200 MB for a 50 M-parameter model, and its
+    time): averaging over one rank changes nothing, so skipping it leaves every result bit-identical."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return (engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0 and not engine.fp16_enabled()
+            and not isinstance(engine.optimizer, BF16_Optimizer) and not getattr(engine, "has_moe_layers", False))
 
 
 def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_steps: int = 0,
                 gradient_checkpointing: bool = False):
     """``deepspeed.initialize`` of ``model``; with ``optim``, a trained engine (AdamW groups of
-    :func:`utils.ds_utils.create_optimizer` and a schedule of ``total_steps``), else a frozen one."""
+    :func:`utils.ds_utils.create_optimizer` and a schedule of ``total_steps``; bf16 at ZeRO 0 with a multi-tensor
+    step, :func:`utils.ds_utils.fuse_bf16_step`), else a frozen one."""
     import deepspeed
     from transformers import get_scheduler
 
-    from utils.ds_utils import create_optimizer
+    from utils.ds_utils import create_optimizer, fuse_bf16_step
     from utils.model.model_utils import enable_activation_checkpointing
 
     optimizer = lr_scheduler = None
@@ -320,8 +325,10 @@ def make_engine(model, ds_config: dict, optim: OptimConfig | None = None, total_
                                       config=ds_config, dist_init_required=True)
     if optim is None:
         engine.eval()
-    elif skips_identity_allreduce(engine):
-        engine.enable_backward_allreduce = False
+    else:
+        fuse_bf16_step(engine)
+        if skips_identity_allreduce(engine):
+            engine.enable_backward_allreduce = False
     if gradient_checkpointing:
         enable_activation_checkpointing(engine.module)
     return engine

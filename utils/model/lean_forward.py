@@ -15,6 +15,15 @@ way (one forward over ``prompt + answer``, the LM head at every position, a log-
 * **Position ids from the attention mask** (``cumsum(mask) − 1``, pads at 0), as ``generate`` numbers the
   tokens it samples: how much left padding a batch carries changes nothing.
 * **Log-softmax without a float32 copy of the whole logits** (:func:`utils.rl_math.gather_log_probs`).
+* **The LM head at the label positions alone** (step 1's :func:`label_loss`, DPO's plain pass): each row's counted
+  positions are handed to transformers' ``logits_to_keep`` as a ``[B, K]`` tensor, K the most any row counts, so
+  neither the prompts nor the padding between rows' answers reach the vocabulary-wide logits and their float32 copy.
+* **Few shapes on a GPU** (:func:`shape_multiple`): where a pass is cut to the columns it reads, the cut is rounded
+  up to a multiple of 64 there, which keeps the collator's round-up (a new shape costs a GPU ~0.2 s); on a CPU,
+  where every column costs compute, nothing is rounded.
+* **By device, where one pass beats the shared prefix** (:func:`shares_prefix`): DPO's and the reward model's pairs
+  run their shared prefix once on a CPU (fewer FLOPs: measured faster) and as one concatenated pass on a GPU
+  (half the passes: a small model's step there is bound by kernel launches, not FLOPs).
 
 The shared pass needs a model whose ``forward`` takes ``position_ids``, ``logits_to_keep`` and a KV cache
 (every transformers 5 causal LM), and no activation checkpointing (transformers turns the cache off under
@@ -34,6 +43,35 @@ from utils.rl_math import gather_log_probs, token_entropy
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """``[B, L]`` positions of the real tokens of left/right padded rows: ``cumsum(mask) − 1``, pads at 0."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+GPU_SHAPE_MULTIPLE = 64
+
+
+def shape_multiple(device) -> int:
+    """What a pass cut to the columns it reads (:func:`label_loss`, :func:`pair_log_probs`) rounds its lengths up
+    to: 64 on a GPU, 1 (no rounding) elsewhere.
+
+    The collators round each batch up to 128 columns on a GPU (:func:`utils.data.data_utils.pad_multiple`) so that
+    a run sees few shapes; cutting every batch to its own last label undid that (a new shape costs ~0.2 s on a GPU:
+    GEMM heuristics, allocator, attention kernel choice). 64 keeps the shapes few and the extra columns cheap. On a
+    CPU a column costs its FLOPs, so the cut stays exact."""
+    return GPU_SHAPE_MULTIPLE if getattr(device, "type", str(device)) == "cuda" else 1
+
+
+def shares_prefix(device) -> bool:
+    """Whether a pair of rows sharing a prefix (DPO's chosen and rejected, the reward model's) runs that prefix once
+    and the two continuations on its KV cache (True), or the two whole rows in one pass (False): the one rule of
+    :func:`pair_log_probs` and :class:`utils.model.reward_model.RewardModel`.
+
+    On a CPU the shared prefix saves its FLOPs and was measured faster. On a GPU a small model's step is bound by
+    kernel launches and host syncs, not FLOPs: the shared path runs two passes per model (DPO: 4 a step, ~6,000
+    kernels more than TRL's 2 for SmolLM2-135M) plus index work with syncs, so one concatenated pass wins."""
+    return getattr(device, "type", str(device)) == "cpu"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _module(model):
@@ -85,6 +123,23 @@ def can_share_prompt(model) -> bool:
     params = forward_parameters(model)
     return (not checkpointing(model) and cache_parameter(model) is not None
             and {"position_ids", "logits_to_keep", "use_cache"} <= params)
+
+
+def keeps_positions(model) -> bool:
+    """Does ``model.forward`` take ``logits_to_keep`` as a ``[B, K]`` tensor of positions per row? transformers'
+    causal LMs do where their forward calls ``slice_logits_to_keep`` (5.x); others get the column window."""
+    module = _module(model)
+    cached = getattr(module, "_lean_keeps_positions", None)
+    if cached is None:
+        forward = inspect.unwrap(type(module).forward)
+        code = getattr(forward, "__code__", None)
+        cached = "logits_to_keep" in forward_parameters(model) and code is not None and \
+            "slice_logits_to_keep" in code.co_names
+        try:
+            module._lean_keeps_positions = cached
+        except AttributeError:
+            pass
+    return cached
 
 
 def shared_group_size(prompts: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> int:
@@ -157,11 +212,55 @@ def answer_log_probs(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, an
 # --------------------------------------------------------------------------- language-model loss (step 1, PPO-ptx)
 
 
+def counted_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                      counted: torch.Tensor, positions: torch.Tensor | None = None):
+    """``(log-probs, weights)``, both ``[B, K]`` float32: ``log π(targets[:, t] | input_ids[:, :t + 1])`` at K
+    positions ``t`` per row covering every position ``counted`` marks (weight: its ``counted`` value; 0 at the
+    positions taken only to fill a row), or None when nothing is counted.
+
+    The model runs on the columns up to the last counted one and its LM head on each row's counted positions alone
+    (:func:`keeps_positions`; else on the window of columns from the first counted one); on a GPU both lengths are
+    rounded up to :func:`shape_multiple` (extra positions weigh 0). Host syncs: one, before the forward.
+
+    Args:
+        input_ids: ``[B, T]``; ``attention_mask`` ``[B, T]``, or a packed batch's ``[B, 1, T, T]`` (with
+            ``positions``); ``positions`` ``[B, T]`` position ids (default: from the 2-D mask).
+        targets: ``[B, T − 1]``: position ``t``'s next token (``input_ids[:, 1:]`` or shifted labels; any value where
+            not counted).
+        counted: ``[B, T − 1]`` (1 = counted; a float weight is kept as it is).
+    """
+    B, T = input_ids.shape
+    device = input_ids.device
+    hit = counted != 0
+    columns = hit.any(dim=0)
+    index = torch.arange(T - 1, device=device)
+    stats = torch.stack([torch.where(columns, index, -1).max(), torch.where(columns, index, T).min(),
+                         hit.sum(dim=1).max()]).tolist()  # the one host sync
+    last, first, most = stats
+    if last < 0:
+        return None
+    multiple = shape_multiple(device)
+    n = min(_round_up(last + 1, multiple), T)  # the columns fed
+    mask = attention_mask[..., :n, :n] if attention_mask.dim() == 4 else attention_mask[:, :n]
+    positions = position_ids(attention_mask[:, :n]) if positions is None else positions[:, :n]
+    pad = n - (T - 1)  # 1 where the rounding feeds the last column, which predicts nothing
+    hit, targets, weights = (torch.nn.functional.pad(x[:, :n], (0, max(pad, 0))) for x in (hit, targets, counted))
+    if keeps_positions(model):  # each row's counted positions first (in order), then others to fill K
+        K = min(_round_up(most, multiple), n)
+        keep = torch.sort((~hit).to(torch.uint8), dim=1, stable=True).indices[:, :K]
+        logits = _logits(model, input_ids[:, :n], mask, positions, keep, forward_parameters(model))[1]
+    else:  # the window from the first counted column
+        width = min(_round_up(n - first, multiple), n)
+        keep = torch.arange(n - width, n, device=device).expand(B, width)
+        logits = _logits(model, input_ids[:, :n], mask, positions, width, forward_parameters(model))[1]
+    return gather_log_probs(logits, targets.gather(1, keep)), weights.gather(1, keep).float()
+
+
 def label_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross entropy, float32, the mean over the label positions that are not -100: the value of
-    :func:`utils.rl_math.causal_lm_loss` on the full logits, with the LM head only on the columns that predict a
-    label (from the first position any row predicts one to the last) and no ``log_softmax`` copy of the logits.
+    :func:`utils.rl_math.causal_lm_loss` on the full logits, with the LM head only at the positions that predict a
+    label (:func:`counted_log_probs`) and no ``log_softmax`` copy of the logits.
 
     Args:
         model: a causal LM (or a DeepSpeed engine around one).
@@ -170,21 +269,13 @@ def label_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, lab
         labels: ``[B, T]`` unshifted (position ``t`` predicts ``labels[t + 1]``), -100 = not counted.
         positions: ``[B, T]`` position ids (default: from the 2-D ``attention_mask``).
     """
-    counted = labels[:, 1:] != -100
-    columns = counted.any(dim=0).nonzero()
-    n = int(columns[-1]) + 1 if len(columns) else 1  # the columns fed: up to the last that predicts a label
-    mask = attention_mask[..., :n, :n] if attention_mask.dim() == 4 else attention_mask[:, :n]
-    positions = position_ids(attention_mask[:, :n]) if positions is None else positions[:, :n]
-    if len(columns) == 0:  # nothing to predict: a zero that still reaches every parameter's gradient
+    targets = labels[:, 1:]
+    out = counted_log_probs(model, input_ids, attention_mask, targets, targets != -100, positions)
+    if out is None:  # nothing to predict: a zero that still reaches every parameter's gradient
+        mask = attention_mask[..., :1, :1] if attention_mask.dim() == 4 else attention_mask[:, :1]
         return model(input_ids[:, :1], attention_mask=mask, use_cache=False).logits.sum() * 0.0
-    first = int(columns[0])
-    params = forward_parameters(model)
-    _, logits = _logits(model, input_ids[:, :n], mask, positions, n - first, params)
-    last = n - 1
-    targets = labels[:, first + 1:last + 2]
-    logps = gather_log_probs(logits, targets)
-    mask = (targets != -100).float()
-    return -(logps * mask).sum() / mask.sum()
+    logps, weights = out
+    return -(logps * weights).sum() / weights.sum()
 
 
 # --------------------------------------------------------------------------- pairs sharing a prefix (DPO, step 2)
@@ -245,24 +336,26 @@ def split_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: t
 
 
 def pair_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor, share_prompt: bool = True) -> torch.Tensor:
+                   loss_mask: torch.Tensor, share_prompt: bool | None = None) -> torch.Tensor:
     """``[2B]`` float32 sums of ``log π(token | before)`` over the tokens ``loss_mask`` counts, for DPO's rows
     ``[chosen_1..B; rejected_1..B]`` (right padded): :func:`utils.rl_math.sequence_log_probs` of the full logits.
 
     ``loss_mask`` counts only tokens from where chosen and rejected first differ (the prompt and any shared start
-    of the answers cancel out), so each pair's shared part runs once and its two continuations run on its KV
-    cache (:func:`answer_log_probs`), the LM head on the continuations alone. Without a shared token in some pair
-    or on a model that cannot share: one plain pass, the LM head from the first counted column on.
+    of the answers cancel out). Where :func:`shares_prefix` says so (a CPU; ``share_prompt`` True/False forces
+    it), each pair's shared part runs once and its two continuations run on its KV cache
+    (:func:`answer_log_probs`), the LM head on the continuations alone. Otherwise (a GPU, a pair without a shared
+    token, a model that cannot share): one pass over all rows, the LM head at the counted positions alone
+    (:func:`counted_log_probs`).
     """
-    T = input_ids.shape[1]
-    shared = shared_lengths(input_ids, attention_mask)
-    if not (share_prompt and can_share_prompt(model)) or int(shared.min()) < 1:
-        counted = loss_mask[:, 1:].bool().any(dim=0).nonzero()
-        first = int(counted[0]) if len(counted) else T - 2
-        _, logits = _logits(model, input_ids[:, :-1], attention_mask[:, :-1], position_ids(attention_mask[:, :-1]),
-                            T - 1 - first, forward_parameters(model))
-        logps = gather_log_probs(logits, input_ids[:, first + 1:])
-        return (logps * loss_mask[:, first + 1:]).sum(dim=1)
+    if share_prompt is None:
+        share_prompt = shares_prefix(input_ids.device)
+    shared = shared_lengths(input_ids, attention_mask) if share_prompt and can_share_prompt(model) else None
+    if shared is None or int(shared.min()) < 1:
+        out = counted_log_probs(model, input_ids, attention_mask, input_ids[:, 1:], loss_mask[:, 1:])
+        if out is None:  # nothing counted: zeros that still reach the gradient
+            return model(input_ids[:, :1], attention_mask=attention_mask[:, :1], use_cache=False).logits[:, 0, 0] * 0.0
+        logps, weights = out
+        return (logps * weights).sum(dim=1)
     lengths = attention_mask.long().sum(dim=1)
     B = len(shared)
     split = split_pairs(input_ids, attention_mask, shared, torch.maximum(lengths[:B], lengths[B:]))
