@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/bench_real_rl.py                   # data, base eval, GRPO, eval: ~1 h on 2 CPU cores
     .venv/bin/python bench/bench_real_rl.py --rows grpo,trl,ppo --work /tmp/real-rl   # + TRL and DeepSpeed-Chat's path
+    .venv/bin/python bench/bench_real_rl.py --rows ppo_fn,rm,ppo --work /tmp/real-rl  # PPO with a critic; the RM
 
 Task: alpaca's instructions (``../shared/data/llama-factory-demo``) with one or two IFEval constraints each
 (``bench/ifeval_data.py``, 9 types a 135M model samples a compliant answer for now and then: commas, end
@@ -16,12 +17,28 @@ Rows:
   "P.S. … P.S. P.S." as much as one postscript), plus 0.5 × the answer's unigram F1 against
   alpaca's answer (``guarded_compliance``), because keeping constraints must not cost content;
 * ``trl``: TRL's ``GRPOTrainer`` on the same data, reward, steps and settings (the peer bench's environment);
-* ``ppo``: DeepSpeed-Chat's path: the model's own answers ranked by the same checker
-  (``collect_comparisons.py --label_fn bench/ifeval_reward.py:ifeval_guarded``) → step 2 reward model → step 3
-  PPO.
+* ``ppo_fn``: step 3 PPO with a critic (``--advantage_estimator gae``) and the GRPO row's reward, data, seed and
+  budget, the critic initialised from the ``rm`` row's reward model as DeepSpeed-Chat does: step 3's PPO machinery
+  apart from the reward model's quality;
+* ``rm``: the reward model alone. The model's own answers (``--rm_answers`` 8 a prompt, temperature 1) to the
+  training instructions, ranked by the same checker (``collect_comparisons.py --label_fn
+  bench/ifeval_reward.py:ifeval_guarded``: every pair of differently scored answers, ties left out),
+  ``--rm_eval_prompts`` of those instructions kept for the eval pairs (:func:`rm_prompt_rows`; the held-out
+  instructions never reach the collector) → step 2 (``--rm_model``, ``--rm_lr``, ``--rm_epochs``, ``--rm_steps``,
+  ``--rm_kwise``, ``--num_padding_at_beginning``). Measured: pair accuracy on the eval pairs, overall and per
+  type, beside step 2's eval curve; and best-of-``--best_of`` on the held-out sets (the base model's sampled
+  answers, the reward model's pick of each prompt), scored as the greedy answers are;
+* ``ppo``: DeepSpeed-Chat's whole path: that reward model → step 3 PPO against it alone (no checker in the
+  reward), evaluated every ``--eval_every`` steps, its best checkpoint by held-out strict compliance named in
+  results.json, and ``WORK/ppo_proxy.png``: the reward model's mean score (step 3's metrics.jsonl) and the
+  held-out compliance against the step. ``--ppo_args`` adds step-3 flags to both PPO rows (GAE λ and γ, value
+  clipping, ...; ``--critic_lr`` the critic's learning rate).
 
 The held-out evaluation (:func:`evaluate`, greedy, the chat template, the training's 128 tokens) of each model:
-strict compliance (every constraint of a prompt kept) and per type; the content guards: unigram F1 against
+strict compliance (every constraint of a prompt kept) and per type, on the template set (``heldout.jsonl``: the
+constraints in the training rows' wording) and on the reworded set (``heldout_reworded.jsonl``: the same
+instructions and constraints, each in one of three other wordings no training row uses), side by side; the
+content guards: unigram F1 against
 alpaca's own answer on the constrained and on the plain held-out instructions, mean answer length on
 constraints that do not limit length, the share of answers that are little more than the constraint (fewer
 than 5 words besides its required text); KL to the base model (per answer, on the model's own greedy answers);
@@ -186,8 +203,9 @@ def gsm8k_accuracy(model, tokenizer, fmt, questions: list, max_new_tokens: int) 
 
 
 def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full: bool = True, base=None) -> dict:
-    """The held-out evaluation of one model (module docstring); ``full``: also the plain instructions, KL and
-    GSM8K (the checkpoints' points of the plot leave those out)."""
+    """The held-out evaluation of one model (module docstring); ``full``: also the reworded set (``"reworded"``:
+    its strict compliance, per type and guards), the plain instructions, KL and GSM8K (the checkpoints' points of
+    the plot leave those out)."""
     start = time.time()
     model, tokenizer, fmt = load(model_dir, weights)
     rows = data["heldout"]
@@ -195,6 +213,10 @@ def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full:
     result = score_constrained(rows, answers)
     result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
     if full:
+        reworded = data["reworded"]
+        result["reworded"] = score_constrained(reworded, greedy_answers(model, tokenizer, fmt,
+                                                                        [r["prompt"] for r in reworded],
+                                                                        opts.answer_len))
         plain = data["heldout_plain"]
         plain_answers = greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in plain], opts.answer_len)
         from ifeval_reward import unigram_f1  # beside this script
@@ -207,6 +229,14 @@ def evaluate(model_dir: str, data: dict, opts, weights: str | None = None, full:
             result["kl"] = kl_to_base(model, base, fmt, [r["prompt"] for r in rows], answers)
     result["seconds"] = time.time() - start
     return result
+
+
+def evaluate_reworded(model_dir: str, data: dict, opts, weights: str | None = None) -> dict:
+    """The reworded set alone (``evaluate``'s ``"reworded"``), for a model evaluated before the set existed."""
+    model, tokenizer, fmt = load(model_dir, weights)
+    rows = data["reworded"]
+    return score_constrained(rows, greedy_answers(model, tokenizer, fmt, [r["prompt"] for r in rows],
+                                                  opts.answer_len))
 
 
 # --------------------------------------------------------------------------- runs
@@ -243,13 +273,13 @@ def data_folder(work: str, train_weights: str | None = None) -> str:
 
 def build_data(work: str, train_weights: str | None = None) -> dict:
     out = data_folder(work, train_weights)
-    if not os.path.exists(os.path.join(out, "heldout.jsonl")):
-        import train  # the steps' environment: the repository first on PYTHONPATH, as a bench script has it
+    if not os.path.exists(os.path.join(out, "heldout_reworded.jsonl")):  # a folder from before it: rebuilt (the
+        import train  # other files come out byte for byte the same); the steps' environment, as a bench has it
 
         proc = subprocess.run([sys.executable, os.path.join("bench", "ifeval_data.py"), "--alpaca",
                                os.path.join(SHARED, "llama-factory-demo", "alpaca_en_demo.json"), "--out", out,
                                "--seed", "1234", "--heldout", "220", "--types", ",".join(TYPES),
-                               *(["--train_weights", train_weights] if train_weights else [])],
+                               *(["--train_weights", train_weights] if train_weights else []), "--overwrite"],
                               cwd=REPO, env=train.child_env())
         if proc.returncode != 0:  # its own error line is above
             raise SystemExit(f"bench_real_rl: building the data in {out} failed (exit {proc.returncode})")
@@ -257,7 +287,8 @@ def build_data(work: str, train_weights: str | None = None) -> dict:
         gsm8k = [json.loads(line) for _, line in zip(range(200), f)]
     return {"dir": out, "train": os.path.join(out, "train.jsonl"),
             "heldout": read_jsonl(os.path.join(out, "heldout.jsonl")),
-            "heldout_plain": read_jsonl(os.path.join(out, "heldout_plain.jsonl")), "gsm8k": gsm8k}
+            "heldout_plain": read_jsonl(os.path.join(out, "heldout_plain.jsonl")),
+            "reworded": read_jsonl(os.path.join(out, "heldout_reworded.jsonl")), "gsm8k": gsm8k}
 
 
 def run(cmd: list, log_path: str, python: str = sys.executable) -> float:
@@ -285,10 +316,12 @@ def overlong_flags(opts) -> list:
             "--overlong_penalty_weight", str(opts.overlong_penalty_weight)]
 
 
-def grpo_command(model: str, data: dict, out: str, opts) -> list:
+def step3_flags(model: str, data: dict, out: str, opts) -> list:
+    """Step 3's flags that the GRPO row and the PPO rows share: the data, seed and budget (prompts and answers a
+    step, steps, answer length, sampling, learning rate and schedule, KL coefficient, precision, checkpoints every
+    ``--eval_every`` steps), so that the rows differ only in how they score and credit an answer."""
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
-            "--advantage_estimator", opts.estimator, "--loss_agg", "token_mean", "--reward_fn", opts.reward_fn,
             "--n_samples_per_prompt", str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
             "--per_device_training_batch_size", str(opts.prompts * opts.group), "--max_prompt_seq_len", "192",
             "--max_answer_seq_len", str(opts.answer_len), "--do_sample", "--temperature", str(opts.temperature),
@@ -298,6 +331,22 @@ def grpo_command(model: str, data: dict, out: str, opts) -> list:
             "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
             "--adam_betas", *map(str, opts.adam_betas), *(["--torch_autocast"] if opts.autocast else []),
             *(["--generation_dtype", opts.generation_dtype] if opts.generation_dtype else []), *overlong_flags(opts)]
+
+
+def grpo_command(model: str, data: dict, out: str, opts) -> list:
+    return [*step3_flags(model, data, out, opts), "--advantage_estimator", opts.estimator, "--loss_agg", "token_mean",
+            "--reward_fn", opts.reward_fn]
+
+
+def ppo_command(model: str, data: dict, out: str, reward: str, opts, reward_fn: str | None = None) -> list:
+    """Step 3 PPO with a critic (``--advantage_estimator gae``: GAE, value clipping, the KL in the reward) on the
+    GRPO row's data, seed and budget (:func:`step3_flags`), the critic initialised from the step-2 folder ``reward``
+    as DeepSpeed-Chat does; scored by ``reward_fn`` (the ``ppo_fn`` row: the checker, the reward model's score
+    unused) or, without one, by that reward model alone (the ``ppo`` row). ``--ppo_args`` come last: they override
+    any flag before them (step 3's parser keeps a flag's last value)."""
+    return [*step3_flags(model, data, out, opts), "--advantage_estimator", "gae", "--critic_model_name_or_path",
+            reward, "--num_padding_at_beginning", str(opts.num_padding_at_beginning), "--critic_learning_rate",
+            str(opts.critic_lr), *(["--reward_fn", reward_fn] if reward_fn else []), *shlex.split(opts.ppo_args)]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
@@ -314,30 +363,152 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             *overlong_flags(opts)]
 
 
-def ppo_commands(model: str, data: dict, out: str, opts) -> list:
-    """DeepSpeed-Chat's path on the same task: the model's own answers to the train instructions, ranked by the same
-    checker, → a reward model → PPO against it (the model's instruct tuning is its step 1)."""
-    comparisons, reward = os.path.join(out, "comparisons"), os.path.join(out, "reward")
-    common = ["--apply_chat_template", "--seed", "1234", "--data_output_path", os.path.join(out, "data")]
+def rm_paths(work: str) -> dict:
+    """The reward model's folders (the ``rm`` row's, which the ``ppo_fn`` and ``ppo`` rows reuse): the prompts the
+    collector answers, its comparisons, the step-2 reward model."""
+    folder = os.path.join(work, "rm")
+    return {name: os.path.join(folder, name) for name in ("prompts", "comparisons", "reward", "data")}
+
+
+def rm_prompt_rows(train_rows: list, eval_prompts: int, seed: int) -> tuple:
+    """``(train, eval)``: the training rows (``train.jsonl``'s: never a held-out instruction) split for the reward
+    model, the ``eval_prompts`` first in the order of ``sha256(seed:instruction)`` giving the eval comparisons, the
+    rest the training ones, both in the file's order: pair accuracy is measured on instructions none of the
+    training pairs came from."""
+    from utils.files import content_hash
+
+    ranked = sorted(train_rows, key=lambda r: content_hash(f"{seed}:{r['instruction']}".encode(), digits=None))
+    held = {r["instruction"] for r in ranked[:eval_prompts]}
+    return [r for r in train_rows if r["instruction"] not in held], [r for r in train_rows if r["instruction"] in held]
+
+
+def write_rm_prompts(data: dict, folder: str, opts) -> None:
+    """``folder/train.jsonl`` and ``folder/eval.jsonl`` (:func:`rm_prompt_rows`), the collector's ``--data_path``."""
+    from utils.files import atomic_write_text
+
+    os.makedirs(folder, exist_ok=True)
+    for name, rows in zip(("train.jsonl", "eval.jsonl"),
+                          rm_prompt_rows(read_jsonl(data["train"]), opts.rm_eval_prompts, opts.seed)):
+        atomic_write_text(os.path.join(folder, name), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def rm_commands(model: str, paths: dict, opts) -> list:
+    """DeepSpeed-Chat's step 2 on the model's own answers: ``--rm_answers`` sampled answers to each prompt of
+    ``paths["prompts"]`` (:func:`write_rm_prompts`), ranked by the checker's reward, every pair of differently
+    scored answers (ties left out) → a reward model started from ``--rm_model`` (the model itself by default),
+    InstructGPT's loss on the end scores, evaluated on the eval prompts' pairs every ``--rm_eval_interval`` steps."""
+    common = ["--apply_chat_template", "--seed", str(opts.seed), "--data_output_path", paths["data"]]
     return [
         ["step2_reward_model_finetuning/collect_comparisons.py", "--actor_model_name_or_path", model, "--data_path",
-         data["train"], "--data_split", "0,1,0", "--label_fn", GUARDED, "--num_answers", "4",
-         "--max_new_tokens", str(opts.answer_len), "--max_prompts", "120", "--max_eval_prompts", "16",
-         "--batch_size", "16", "--output_dir", comparisons, "--overwrite", *common],
-        ["step2_reward_model_finetuning/main.py", "--model_name_or_path", model, "--data_path", comparisons,
-         "--data_split", "0,1,0", "--num_padding_at_beginning", "0", "--max_seq_len", "320",
-         "--per_device_train_batch_size", "8", "--learning_rate", "2e-5", "--reward_loss", "end", "--max_steps", "40",
-         "--dtype", "fp32", "--adam_betas", *map(str, opts.adam_betas), "--output_dir", reward, "--overwrite",
+         paths["prompts"], "--data_split", "0,1,0", "--label_fn", GUARDED, "--num_answers", str(opts.rm_answers),
+         "--max_new_tokens", str(opts.answer_len), "--temperature", "1.0", "--max_prompts", str(opts.rm_prompts),
+         "--max_eval_prompts", "0", "--batch_size", "8", "--output_dir", paths["comparisons"], "--overwrite",
          *common],
-        ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--critic_model_name_or_path", reward,
-         "--data_path", data["train"], "--data_split", "0,0,1", "--num_padding_at_beginning", "0",
-         "--per_device_generation_batch_size", str(opts.prompts), "--per_device_training_batch_size",
-         str(opts.prompts), "--max_prompt_seq_len", "192", "--max_answer_seq_len", str(opts.answer_len),
-         "--do_sample", "--temperature", "1.0", "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr),
-         "--critic_learning_rate", "5e-6", "--lr_scheduler_type", "constant", "--num_warmup_steps", "0",
-         "--num_train_epochs", "10", "--max_steps", str(opts.steps), "--dtype", "fp32", "--adam_betas",
-         *map(str, opts.adam_betas), "--output_dir", os.path.join(out, "step3"), "--overwrite", *common],
+        ["step2_reward_model_finetuning/main.py", "--model_name_or_path", opts.rm_model or model, "--data_path",
+         paths["comparisons"], "--data_split", "0,1,0", "--num_padding_at_beginning",
+         str(opts.num_padding_at_beginning), "--max_seq_len", str(opts.rm_max_seq_len),
+         "--per_device_train_batch_size", str(opts.rm_batch), "--learning_rate", str(opts.rm_lr),
+         "--num_train_epochs", str(opts.rm_epochs), "--max_steps", str(opts.rm_steps), "--reward_loss", "end",
+         "--eval_interval", str(opts.rm_eval_interval), "--eval_iters", "0", "--dtype", "fp32",
+         "--adam_betas", *map(str, opts.adam_betas), "--output_dir", paths["reward"], "--overwrite", *common,
+         *(["--kwise"] if opts.rm_kwise else [])],
     ]
+
+
+def step2_has_kwise() -> bool:
+    """Does this checkout's step 2 take ``--kwise`` (InstructGPT's batching: all pairs of a prompt together)?"""
+    import contextlib
+    import io
+
+    from step2_reward_model_finetuning.main import parse_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parse_args(["--model_name_or_path", "m", "--kwise"])
+    except SystemExit:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- the reward model's measures
+
+def metrics_curve(path: str, phase: str, key: str) -> dict:
+    """``{step: value}`` of ``key`` in a step's ``metrics.jsonl`` rows of ``phase`` (step 2's ``eval`` accuracy
+    ``acc``, step 3's ``train`` mean ``reward``); ``{}`` without the file."""
+    if not os.path.exists(path):
+        return {}
+    return {str(r["step"]): r[key] for r in read_jsonl(path) if r.get("phase") == phase and key in r}
+
+
+def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
+    """``(answers, scores)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (temperature 1, the
+    training's answer length, seeded with ``--seed``), the one the reward model scores highest, and the reward
+    model's ``[P, N]`` scores. The reward model reads them as the collector wrote its pairs: the prompt in
+    DeepSpeed-Chat's text (the loader's own wrapping), the answer after a space, in its chat template."""
+    from utils.answers import generate_answers
+    from utils.data.chat_template import chat_format
+    from utils.data.local_datasets import normalize_prompt
+    from utils.model.scoring import best_of_n, score_answers
+
+    n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
+    sampled = generate_answers(actor, tokenizer, wrapped, opts.answer_len, {"temperature": 1.0, "top_k": 0,
+                                                                            "top_p": 1.0},
+                               per_prompt=n, seed=opts.seed, batch_size=8, chat=fmt)
+    answers = [sampled[i * n:(i + 1) * n] for i in range(len(prompts))]  # [P][N]
+    scores = score_answers(reward_model, reward_tokenizer, wrapped, [[" " + a for a in row] for row in answers],
+                           opts.rm_max_seq_len, "", device=device(), chat=chat_format(reward_tokenizer))  # [P, N]
+    best = best_of_n(scores)  # [P]: each prompt's first highest-scored answer
+    return [row[int(b)] for row, b in zip(answers, best)], scores
+
+
+def evaluate_rm(paths: dict, data: dict, opts) -> dict:
+    """The ``rm`` row: the reward model alone, before any RL. Pair accuracy on the eval prompts' comparisons
+    (``"pair_accuracy"``, overall and per type; ``"step2_curve"``: step 2's own eval accuracy against its steps),
+    and best-of-``--best_of`` on the held-out sets: the base model's sampled answers, the reward model's pick of
+    each prompt, scored as the greedy answers are (strict, per type, guards; ``"reworded"``: the other set)."""
+    import math
+
+    from utils.data.chat_template import chat_format
+    from utils.model.critic import load_reward_model
+    from utils.model.scoring import pair_accuracy_by_group, score_texts
+
+    start = time.time()
+    reward_model, reward_tokenizer = load_reward_model(paths["reward"], device(), apply_chat_template=True)
+    pairs = read_jsonl(os.path.join(paths["comparisons"], "eval.jsonl"))
+
+    def scores(key):
+        return score_texts(reward_model, reward_tokenizer, [(p["prompt"], p[key]) for p in pairs],
+                           opts.rm_max_seq_len, "", batch_size=16, device=device(),
+                           chat=chat_format(reward_tokenizer))
+
+    # the collector's pairs carry their prompt's constraint types: a pair of two counts for both
+    accuracy = pair_accuracy_by_group(scores("chosen"), scores("rejected"), [p.get("instruction_id_list")
+                                                                             for p in pairs])
+    print(f"reward model: pair accuracy {accuracy['overall']['accuracy']:.3f} on {accuracy['overall']['pairs']} "
+          "eval pairs", flush=True)
+    actor, tokenizer, fmt = load(opts.model)
+    rows = data["heldout"]
+    answers, _ = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, [r["prompt"] for r in rows],
+                                   opts)
+    result = score_constrained(rows, answers)
+    result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
+    reworded, _ = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
+                                    [r["prompt"] for r in data["reworded"]], opts)
+    result["reworded"] = score_constrained(data["reworded"], reworded)
+    n = opts.best_of
+    result.update(pair_accuracy=accuracy, best_of=n, kl_bound=math.log(n) - (n - 1) / n,  # best-of-n's KL ≤ this
+                  step2_curve=metrics_curve(os.path.join(paths["reward"], "metrics.jsonl"), "eval", "acc"),
+                  seconds=time.time() - start)
+    return result
+
+
+def best_point(curve: dict) -> dict:
+    """``{"step", "strict"}`` of a row's best held-out point after step 0 (the first of equals), or ``{}``."""
+    steps = sorted((int(s) for s in curve if int(s) > 0))
+    if not steps:
+        return {}
+    step = max(steps, key=lambda s: (curve[str(s)]["strict"], -s))
+    return {"step": step, "strict": curve[str(step)]["strict"]}
 
 
 def trl_checkpoints(out: str) -> dict:
@@ -359,60 +530,134 @@ def checkpoint_weights(out: str) -> dict:
     return found
 
 
+ROWS = ("grpo", "trl", "ppo_fn", "rm", "ppo")  # --rows, in the tables' order
 ROW_NAMES = {"base": "SmolLM2-135M-Instruct", "grpo": "+ step 3 GRPO (this project)", "trl": "+ TRL GRPOTrainer",
-             "ppo": "+ comparisons → step 2 → step 3 PPO"}
+             "ppo_fn": "+ step 3 PPO with a critic, checker as reward",
+             "rm": "+ reward model's best of n (no RL)", "ppo": "+ comparisons → step 2 → step 3 PPO"}
+
+
+def _cell(value, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
 
 
 def metric_cells(r: dict) -> str:
-    """One evaluated model's cells of both tables: strict | F1 constrained / plain | length | bare | KL | GSM8K."""
-    nan = float("nan")
-    return (f"{r['strict']:.3f} | {r['f1']:.3f} / {r.get('plain_f1', nan):.3f} | {r['length']:.1f} | "
-            f"{100 * r['bare']:.1f} % | {r.get('kl', 0.0):.2f} | {100 * r.get('gsm8k', nan):.1f} %")
+    """One evaluated model's cells of both tables: strict (template / reworded set) | F1 constrained / plain |
+    length | bare | KL | GSM8K; "—" where a row has no such measure (a run from before the reworded set, the
+    best-of-n row's plain answers and GSM8K; its KL is the bound ``log n − (n−1)/n``)."""
+    kl = _cell(r.get("kl"), ".2f") if "kl_bound" not in r else f"≤ {r['kl_bound']:.2f}"
+    gsm8k = "—" if r.get("gsm8k") is None else f"{100 * r['gsm8k']:.1f} %"
+    return (f"{r['strict']:.3f} / {_cell(r.get('reworded', {}).get('strict'), '.3f')} | {r['f1']:.3f} / "
+            f"{_cell(r.get('plain_f1'), '.3f')} | {r['length']:.1f} | {100 * r['bare']:.1f} % | {kl} | {gsm8k}")
+
+
+def type_cell(r: dict, t: str) -> str:
+    """A model's compliance on type ``t``: template set / reworded set (the template's alone for older runs)."""
+    template = f"{r['per_type'].get(t, float('nan')):.2f}"
+    reworded = r.get("reworded", {}).get("per_type", {}).get(t)
+    return template if reworded is None else f"{template} / {reworded:.2f}"
+
+
+def rm_lines(r: dict) -> list:
+    """The reward model's own measures (the ``rm`` row): pair accuracy on the eval pairs, overall and per type,
+    beside step 2's eval accuracy against its steps."""
+    acc, curve = r["pair_accuracy"], r.get("step2_curve", {})
+    trained = " → ".join(f"{curve[s]:.2f}" for s in sorted(curve, key=int))
+    return [f"reward model: pair accuracy {acc['overall']['accuracy']:.3f} on {acc['overall']['pairs']} eval pairs "
+            f"(instructions none of its training pairs came from); step 2's eval accuracy by step: {trained or '—'}",
+            "per type: " + ", ".join(f"{t.split(':')[1]} {g['accuracy']:.2f} ({g['pairs']})"
+                                     for t, g in acc["groups"].items())]
 
 
 def table(results: dict) -> str:
-    """The held-out table (markdown): one row per model, the base first."""
-    rows = [name for name in ("base", "grpo", "trl", "ppo") if name in results]
-    head = ("| model | strict compliance | F1 constrained / plain | length (words) | bare answers | KL to base "
-            "| GSM8K | wall |")
+    """The held-out table (markdown): one row per model, the base first; then per type, and the reward model's
+    pair accuracy and each PPO row's best point when there are."""
+    rows = [name for name in ("base", *ROWS) if name in results]
+    head = ("| model | strict compliance: template / reworded | F1 constrained / plain | length (words) | bare answers "
+            "| KL to base | GSM8K | wall |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for name in rows:
         r = results[name]
-        wall = results.get("wall", {}).get(name)
-        lines.append(f"| {ROW_NAMES[name]} | {metric_cells(r)} | {f'{wall / 60:.0f} min' if wall else '—'} |")
+        wall, rm = results.get("wall", {}).get(name), results.get("wall", {}).get("rm")
+        path = f" + rm {rm / 60:.0f}" if wall and rm and name in ("ppo_fn", "ppo") else ""  # the reward model's too
+        lines.append(f"| {ROW_NAMES[name]} | {metric_cells(r)} | {f'{wall / 60:.0f}{path} min' if wall else '—'} |")
     types = sorted(results["base"]["per_type"])
-    lines += ["", "| type (held-out count) | " + " | ".join(ROW_NAMES[n].split(" (")[0] for n in rows) + " |",
-              "|---|" + "---|" * len(rows)]
+    lines += ["", "| type (held-out count): template / reworded | "
+              + " | ".join(ROW_NAMES[n].split(" (")[0] for n in rows) + " |", "|---|" + "---|" * len(rows)]
     for t in types:
         n = results["base"]["type_counts"][t]
-        lines.append(f"| `{t.split(':')[1]}` ({n}) | " + " | ".join(
-            f"{results[name]['per_type'].get(t, float('nan')):.2f}" for name in rows) + " |")
+        lines.append(f"| `{t.split(':')[1]}` ({n}) | " + " | ".join(type_cell(results[name], t) for name in rows)
+                     + " |")
+    if "rm" in results:
+        lines += [""] + rm_lines(results["rm"])
+    for name in rows:
+        best = results[name].get("best")
+        if best:
+            lines.append(f"{name}: best held-out point step {best['step']} (strict {best['strict']:.3f}): "
+                         f"{best['checkpoint']}")
     return "\n".join(lines)
 
 
 def seeds_table(runs: dict) -> str:
     """``runs``: ``{name: results.json of one bench run}`` (a recipe's seeds, each in its own ``--work``). One line
-    per trained row of each run, with the types that fell more than 3 points below that run's base, then each
-    row's mean strict compliance, its gain over the base and its range: a recipe judged on several seeds."""
-    head = ("| run | row | strict | F1 constrained / plain | length | bare | KL | GSM8K | types falling > 3 points |")
-    lines, strict = [head, "|---|---|---|---|---|---|---|---|---|"], {}
+    per trained row of each run, with the types that fell more than 3 points below that run's base (template set),
+    then each row's mean strict compliance, its gain over the base and its range, on the template set and (where
+    every run has it) the reworded one, and the reward model's mean pair accuracy: a recipe judged on several
+    seeds."""
+    head = ("| run | row | strict: template / reworded | F1 constrained / plain | length | bare | KL | GSM8K "
+            "| types falling > 3 points |")
+    lines, strict, pairs_acc = [head, "|---|---|---|---|---|---|---|---|---|"], {}, {}
     for name, results in runs.items():
         base = results["base"]
-        for row in ("grpo", "trl", "ppo"):
+        for row in ROWS:
             if row not in results:
                 continue
             r = results[row]
             falls = [f"{t.split(':')[1]} {100 * (r['per_type'][t] - b):+.0f}"
                      for t, b in base["per_type"].items() if r["per_type"][t] < b - 0.03 - 1e-9]
-            strict.setdefault(row, []).append((r["strict"], base["strict"]))
+            reworded = (r.get("reworded", {}).get("strict"), base.get("reworded", {}).get("strict"))
+            strict.setdefault(row, []).append((r["strict"], base["strict"], *reworded))
+            if "pair_accuracy" in r:
+                pairs_acc.setdefault(row, []).append(r["pair_accuracy"]["overall"]["accuracy"])
             lines.append(f"| {name} | {row} | {metric_cells(r)} | {', '.join(falls) or 'none'} |")
     lines.append("")
-    for row, pairs in strict.items():
-        mean = sum(s for s, _ in pairs) / len(pairs)
-        gain = mean - sum(b for _, b in pairs) / len(pairs)
-        lines.append(f"{row}: mean strict {mean:.3f} ({100 * gain:+.1f} points) over {len(pairs)} run(s), "
-                     f"range {min(s for s, _ in pairs):.3f} – {max(s for s, _ in pairs):.3f}")
+    for row, points in strict.items():
+        mean = sum(p[0] for p in points) / len(points)
+        gain = mean - sum(p[1] for p in points) / len(points)
+        line = (f"{row}: mean strict {mean:.3f} ({100 * gain:+.1f} points) over {len(points)} run(s), "
+                f"range {min(p[0] for p in points):.3f} – {max(p[0] for p in points):.3f}")
+        if all(p[2] is not None and p[3] is not None for p in points):
+            mean = sum(p[2] for p in points) / len(points)
+            line += f"; reworded {mean:.3f} ({100 * (mean - sum(p[3] for p in points) / len(points)):+.1f} points)"
+        if row in pairs_acc:
+            line += f"; pair accuracy {sum(pairs_acc[row]) / len(pairs_acc[row]):.3f}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def proxy_plot(reward: dict, heldout: dict, path: str, label: str = "reward model's mean score") -> None:
+    """The proxy against the target: step 3's mean training reward (``reward``, ``{step: score}`` from its
+    metrics.jsonl: the reward model's score in the ``ppo`` row) and the held-out strict compliance (``heldout``,
+    ``{step: strict}``) against the RL step, on two axes: where the first rises and the second does not, PPO has
+    found what the reward model pays for beyond what the checker does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, left = plt.subplots(figsize=(6, 3.4))
+    steps = sorted(reward, key=int)
+    left.plot([int(s) for s in steps], [reward[s] for s in steps], color="C0", label=label)
+    left.set_xlabel("RL step")
+    left.set_ylabel(label, color="C0", fontsize=9)
+    right = left.twinx()
+    steps = sorted(heldout, key=int)
+    right.plot([int(s) for s in steps], [heldout[s] for s in steps], color="C1", marker="o",
+               label="held-out strict compliance")
+    right.set_ylabel("held-out strict compliance", color="C1", fontsize=9)
+    left.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(curves: dict, path: str) -> list:
@@ -455,11 +700,11 @@ def plot(curves: dict, path: str) -> list:
     return list(curves)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--work", default="/tmp/real-rl")
-    parser.add_argument("--rows", default="grpo", help="comma-separated: grpo, trl, ppo")
+    parser.add_argument("--rows", default="grpo", help="comma-separated: " + ", ".join(ROWS))
     parser.add_argument("--steps", type=int, default=22)
     parser.add_argument("--eval_every", type=int, default=11)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -499,11 +744,40 @@ def main(argv=None):
     parser.add_argument("--train_weights", default=None, metavar="TYPE=W,...",
                         help="the data builder's --train_weights: these types W times as often in the training rows "
                              "(GRPO and TRL rows alike); the held-out rows unchanged")
+    g = parser.add_argument_group("the reward model and PPO rows (rm, ppo_fn, ppo)")
+    g.add_argument("--rm_prompts", type=int, default=0,
+                   help="training prompts the collector answers (0: every training instruction not kept for the "
+                        "eval pairs)")
+    g.add_argument("--rm_eval_prompts", type=int, default=40,
+                   help="training instructions kept apart for the reward model's eval pairs (never trained on)")
+    g.add_argument("--rm_answers", type=int, default=8, help="answers sampled a prompt (K: up to K(K-1)/2 pairs)")
+    g.add_argument("--rm_model", default=None, help="the model the reward model starts from (default: --model)")
+    g.add_argument("--rm_lr", type=float, default=2e-5, help="step 2's learning rate")
+    g.add_argument("--rm_epochs", type=int, default=1, help="step 2's epochs over the comparisons")
+    g.add_argument("--rm_steps", type=int, default=0, help="step 2's --max_steps (0: the epochs decide)")
+    g.add_argument("--rm_batch", type=int, default=8, help="step 2's pairs a batch")
+    g.add_argument("--rm_eval_interval", type=int, default=20, help="step 2 evaluates every this many steps")
+    g.add_argument("--rm_max_seq_len", type=int, default=320, help="step 2's --max_seq_len (prompt and answer)")
+    g.add_argument("--rm_kwise", action="store_true",
+                   help="step 2's --kwise: all pairs of one prompt in one batch (InstructGPT's K-wise batching)")
+    g.add_argument("--num_padding_at_beginning", type=int, default=0,
+                   help="steps 2 and 3's (0 for a Llama-style tokenizer, 1 for OPT's)")
+    g.add_argument("--best_of", type=int, default=8, help="the rm row's answers sampled a held-out prompt")
+    g.add_argument("--critic_lr", type=float, default=5e-6, help="the PPO rows' critic learning rate "
+                   "(DeepSpeed-Chat's 5e-6)")
+    g.add_argument("--ppo_args", default="", metavar="FLAGS",
+                   help="more step-3 flags for both PPO rows, last on the line (they override the bench's): e.g. "
+                        "'--lam 0.9 --cliprange_value 0.5'")
     parser.add_argument("--peer-venv", dest="peer_venv", default=os.path.join(REPO, ".venv-peers"))
     parser.add_argument("--summarize", nargs="+", metavar="WORK", help="print the table of finished runs (one "
                         "--work folder each: the seeds of a recipe) with each row's mean, and stop")
     parser.add_argument("--plot", metavar="PNG", help="with --summarize: draw every run's held-out curves in one "
                         "figure (a colour per row, a line style per run)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.plot and not opts.summarize:
         parser.error("--plot goes with --summarize (a single run draws WORK/real_rl.png itself)")
@@ -516,10 +790,12 @@ def main(argv=None):
 
         parse_weights(opts.train_weights, TYPES)
     rows = [r.strip() for r in opts.rows.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ("grpo", "trl", "ppo")]
+    unknown = [r for r in rows if r not in ROWS]
     if unknown or not rows:
-        raise UserInputError(f"--rows {opts.rows}: {', '.join(map(repr, unknown)) or 'none given'}; give grpo, trl "
-                             "or ppo (comma-separated)")
+        raise UserInputError(f"--rows {opts.rows}: {', '.join(map(repr, unknown)) or 'none given'}; give "
+                             f"{', '.join(ROWS[:-1])} or {ROWS[-1]} (comma-separated)")
+    if opts.best_of < 1 or opts.rm_answers < 2 or opts.rm_eval_prompts < 1:
+        raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2 and --rm_eval_prompts ≥ 1")
     if opts.summarize:
         folders = [os.path.normpath(work) for work in opts.summarize]
         twice = sorted({work for work in folders if folders.count(work) > 1})
@@ -539,7 +815,8 @@ def main(argv=None):
             runs[name] = results
         print(seeds_table(runs))
         if opts.plot:
-            short = {"grpo": "step 3 GRPO", "trl": "TRL GRPOTrainer", "ppo": "step 3 PPO"}
+            short = {"grpo": "step 3 GRPO", "trl": "TRL GRPOTrainer", "ppo_fn": "step 3 PPO, checker",
+                     "ppo": "step 3 PPO, reward model"}
             plot({f"{short[row]}, {name}": results["curve"][row] for row in short
                   for name, results in runs.items() if row in results.get("curve", {})}, opts.plot)
             print(f"plot: {opts.plot}")
@@ -569,30 +846,59 @@ def main(argv=None):
         print("evaluating the base model", flush=True)
         results["base"] = evaluate(opts.model, data, opts)
         save()
+    if "reworded" not in results["base"]:  # a run from before the reworded set: that set's numbers added
+        results["base"]["reworded"] = evaluate_reworded(opts.model, data, opts)
+        save()
+
+    def trained(row: str, walls: dict) -> None:
+        """A row just trained: its wall times kept, an earlier evaluation of that folder (stale) dropped."""
+        results.setdefault("wall", {})[row] = sum(walls.values())
+        results.setdefault("wall_parts", {})[row] = walls
+        results.pop(row, None)
+        results.get("curve", {}).pop(row, None)
+        save()
+
+    paths = rm_paths(opts.work)
+
+    def reward_model() -> str:
+        """The ``rm`` row's step-2 folder, collected and trained first when it is not there yet."""
+        from utils.model.critic import WEIGHTS_FILE
+
+        if not os.path.exists(os.path.join(paths["reward"], WEIGHTS_FILE)):
+            if opts.rm_kwise and not step2_has_kwise():
+                raise UserInputError("--rm_kwise: this checkout's step 2 has no --kwise flag")
+            write_rm_prompts(data, paths["prompts"], opts)
+            collect, step2 = rm_commands(opts.model, paths, opts)
+            walls = {"collect": run(collect, os.path.join(opts.work, "rm-collect.log"))}
+            walls["step2"] = run(step2, os.path.join(opts.work, "rm-step2.log"))
+            trained("rm", walls)
+        return paths["reward"]
+
     for row in rows:
         out = os.path.join(opts.work, row)
-        if row == "grpo":
-            if not os.path.exists(os.path.join(out, "actor")):
-                results.setdefault("wall", {})[row] = run(grpo_command(opts.model, data, out, opts),
-                                                          os.path.join(opts.work, f"{row}.log"))
+        final = os.path.join(out, "actor")
+        if row == "rm":
+            reward_model()
+            if row not in results:
+                print("evaluating the reward model (pair accuracy, best of n)", flush=True)
+                results[row] = evaluate_rm(paths, data, opts)
                 save()
-            final = os.path.join(out, "actor")
-            points = {step: (opts.model, weights) for step, weights in checkpoint_weights(out).items()}
-        elif row == "trl":
-            final = os.path.join(out, "actor")
+            continue
+        if row == "trl":
             if not os.path.exists(final):
-                results.setdefault("wall", {})[row] = run(trl_command(opts.model, data, out, opts),
-                                                          os.path.join(opts.work, f"{row}.log"),
-                                                          python=os.path.join(opts.peer_venv, "bin", "python"))
-                save()
+                trained(row, {"trl": run(trl_command(opts.model, data, out, opts), os.path.join(opts.work,
+                                                                                                  f"{row}.log"),
+                                         python=os.path.join(opts.peer_venv, "bin", "python"))})
             points = trl_checkpoints(out)
-        elif row == "ppo":
-            final, points = os.path.join(out, "step3", "actor"), {}
+        else:
             if not os.path.exists(final):
-                walls = [run(cmd, os.path.join(opts.work, f"{row}-{i}.log"))
-                         for i, cmd in enumerate(ppo_commands(opts.model, data, out, opts))]
-                results.setdefault("wall", {})[row] = sum(walls)
-                save()
+                if row == "grpo":
+                    cmd = grpo_command(opts.model, data, out, opts)
+                else:  # PPO with a critic from the reward model's folder: the checker's reward, or the model's
+                    cmd = ppo_command(opts.model, data, out, reward_model(), opts,
+                                      reward_fn=GUARDED if row == "ppo_fn" else None)
+                trained(row, {"step3": run(cmd, os.path.join(opts.work, f"{row}.log"))})
+            points = {step: (opts.model, weights) for step, weights in checkpoint_weights(out).items()}
         curve = results.setdefault("curve", {}).setdefault(row, {"0": {k: results["base"][k] for k in
                                                                        ("strict", "f1", "length", "bare")}})
         for step, (model_dir, weights) in sorted(points.items()):
@@ -606,10 +912,23 @@ def main(argv=None):
             results[row] = evaluate(final, data, opts, base=base_model)
             curve[str(opts.steps)] = {k: results[row][k] for k in ("strict", "f1", "length", "bare")}
             save()
+        elif "reworded" not in results[row]:  # evaluated before the reworded set: that set added
+            results[row]["reworded"] = evaluate_reworded(final, data, opts)
+            save()
+        if row != "trl":  # the best held-out point, and where its weights are (kept: --max_checkpoints 100)
+            best = best_point(curve)
+            if best:
+                best["checkpoint"] = final if best["step"] >= opts.steps else points[best["step"]][1]
+                results[row]["best"] = best
+                save()
+        if row in ("ppo_fn", "ppo"):  # the proxy (step 3's mean reward) against the target (held-out compliance)
+            proxy_plot(metrics_curve(os.path.join(out, "metrics.jsonl"), "train", "reward"),
+                       {s: p["strict"] for s, p in curve.items()}, os.path.join(opts.work, f"{row}_proxy.png"),
+                       label="reward model's mean score" if row == "ppo" else "checker's mean reward")
     print("\n" + table(results) + "\n")
     plot({ROW_NAMES[name]: curve for name, curve in results.get("curve", {}).items()},
          os.path.join(opts.work, "real_rl.png"))
-    for name in ("base", "grpo"):
+    for name in ("base", *rows):
         for e in results.get(name, {}).get("examples", []):
             print(f"{name}: {e['prompt']!r}\n  -> {e['answer']!r}")
     print(f"plot: {os.path.join(opts.work, 'real_rl.png')}; numbers: {results_path}")

@@ -39,7 +39,10 @@ alpaca file, ``prompt``, ``instruction_id_list``, ``kwargs``) plus ``instruction
 ``reference_output`` (alpaca's ``output``); ``--heldout`` instructions (those first in the order of
 ``sha256(seed:instruction)``, a split fixed by the seed) go to ``heldout.jsonl`` and never to training; and
 ``heldout_plain.jsonl``, the same held-out instructions with no constraint (``prompt`` = the instruction), for a
-content guard: that answering with constraints did not cost the answers' quality. ``--train_weights
+content guard: that answering with constraints did not cost the answers' quality; and ``heldout_reworded.jsonl``,
+the held-out rows with each constraint in one of three other wordings of its type (:data:`REWORDINGS`, which no
+training row uses), the ids and kwargs unchanged: whether a model learned what a constraint asks for or only the
+template's words. ``--train_weights
 TYPE=W,...`` draws the named types W times as often in the training rows (more practice on the types a model
 finds hard); the held-out rows are drawn as without it. Pure Python: no torch import.
 """
@@ -60,9 +63,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from utils.errors import BAD_INPUT, UserInputError
 from utils.files import content_hash
-from utils.ifeval import RELATIONS, describe
+from utils.ifeval import RELATIONS, _quoted, describe  # _quoted: IFEval's way of writing a word list
 
-OUTPUTS = ("train.jsonl", "heldout.jsonl", "heldout_plain.jsonl")
+OUTPUTS = ("train.jsonl", "heldout.jsonl", "heldout_plain.jsonl", "heldout_reworded.jsonl")
 END_PHRASES = ("Any other questions?", "Is there anything else I can help with?",
                "Let me know if you have any other questions.")
 POSTSCRIPT_MARKERS = ("P.S.", "P.P.S")
@@ -209,6 +212,112 @@ def constrain(instruction: str, output: str, seed: int, types: Tuple[str, ...] =
     return prompt, ids, kwargs
 
 
+# --------------------------------------------------------------------------- the reworded held-out set
+
+# Other wordings of each type, used only for ``heldout_reworded.jsonl`` (never for a training row): a user's
+# constraints do not come in IFEval's templates, and a model that learned the templates' words rather than what
+# they ask for scores lower here. Each is ``str.format``-ed like IFEval's text (lists as quoted words); a type whose
+# kwargs carry a relation has its wordings per relation. The checker's kwargs are the template row's, unchanged, so
+# each wording must ask for exactly what the checker checks ("exactly N bullets", "fewer than N words", ...).
+REWORDINGS: Dict[str, object] = {
+    LOWER: ("Write everything in lowercase letters only, with no capitals anywhere.",
+            "Do not use a single uppercase letter; the whole English reply must be lowercase.",
+            "Keep every letter of your English answer small: no capital letters at all."),
+    CAPITAL: ("Write your whole English reply using uppercase letters only.",
+              "Respond in English, every word spelled in capital letters.",
+              "Every letter of your English answer must be uppercase."),
+    NO_COMMA: ("Do not put a single comma anywhere in your reply.",
+               "Write the whole answer without using commas at all.",
+               "Commas are not allowed anywhere in this answer."),
+    END: ("The very last words of your reply must be: {end_phrase}",
+          "Let this sentence close the reply, with nothing written after it: {end_phrase}",
+          "Nothing may follow the final sentence of your reply, which must read exactly: {end_phrase}"),
+    QUOTE: ("Put your whole reply inside a pair of double quotes.",
+            "Open and close the reply with a double quotation mark.",
+            "Enclose the complete answer, from first word to last, in double quotes."),
+    KEYWORDS: ("Make sure the words {keywords} appear somewhere in your answer.",
+               "Your reply should use the words {keywords}.",
+               "Work {keywords} into what you write."),
+    FORBIDDEN: ("Never use the words {forbidden_words} in your answer.",
+                "Avoid writing {forbidden_words} anywhere.",
+                "The words {forbidden_words} must not appear in your reply."),
+    WORDS: {"less than": ("Keep your reply under {num_words} words.",
+                          "Use fewer than {num_words} words in total.",
+                          "The reply must be shorter than {num_words} words."),
+            "at least": ("Write {num_words} words or more.",
+                         "Use no fewer than {num_words} words in total.",
+                         "Your answer needs a minimum of {num_words} words.")},
+    SENTENCES: {"less than": ("Use fewer than {num_sentences} sentences in total.",
+                              "Keep your reply under {num_sentences} sentences.",
+                              "The reply must have fewer than {num_sentences} sentences."),
+                "at least": ("Write {num_sentences} sentences or more.",
+                             "Use no fewer than {num_sentences} sentences in total.",
+                             "Your answer needs a minimum of {num_sentences} sentences.")},
+    PARAGRAPHS: ("Split your answer into {num_paragraphs} paragraphs, with a line holding only *** between them.",
+                 "Write exactly {num_paragraphs} paragraphs and put the markdown divider *** between each two.",
+                 "Give {num_paragraphs} paragraphs, divided from each other by ***."),
+    BULLETS: ("Format the reply as exactly {num_bullets} markdown bullets, each line starting with * .",
+              "Give precisely {num_bullets} points, each on its own line beginning with an asterisk (*).",
+              "Lay the reply out as {num_bullets} bullet points (lines that start with * ), no more and no fewer."),
+    HIGHLIGHTS: ("Mark at least {num_highlights} parts of your reply in markdown italics, like *this part*.",
+                 "Emphasise {num_highlights} or more phrases by wrapping each in asterisks, e.g. *key idea*.",
+                 "Use asterisks to set off no fewer than {num_highlights} passages, as in *important*."),
+    JSON: ("Format your entire reply as JSON (markdown code fences are fine).",
+           "Return the whole answer as valid JSON and nothing else.",
+           "Your output must be one JSON object; you may wrap it in ```."),
+    TITLE: ("Start with a title enclosed in double angle brackets, for example <<my title>>.",
+            "Give your answer a heading written between << and >>.",
+            "Put a title at the top, wrapped like this: <<title here>>."),
+    POSTSCRIPT: ("Add a note after the main answer that begins with {postscript_marker}",
+                 "Finish with a postscript introduced by {postscript_marker}",
+                 "After your answer, append a final note that opens with {postscript_marker}"),
+    PLACEHOLDERS: ("Include {num_placeholders} or more placeholders in square brackets, for example [name].",
+                   "Use no fewer than {num_placeholders} bracketed placeholders such as [date].",
+                   "Put at least {num_placeholders} fill-in slots like [city] in your answer."),
+    REPEAT: ("Before answering, copy the request above exactly as written, then answer it (start with the copy "
+             "itself; this sentence is not part of the request).",
+             "Begin by restating the request verbatim, word for word, and only then respond (leave this sentence "
+             "out of the restatement).",
+             "First echo the request unchanged, with nothing before it, then give your answer (this sentence is not "
+             "part of what you echo)."),
+}
+
+
+def wordings(instruction_id: str, kwargs: dict) -> Tuple[str, ...]:
+    """The other wordings (format strings) of ``instruction_id`` with these ``kwargs`` (its relation's, if any)."""
+    choices = REWORDINGS[instruction_id]
+    return choices[kwargs["relation"]] if isinstance(choices, dict) else choices
+
+
+def reword(instruction_id: str, kwargs: dict, which: int) -> str:
+    """The constraint's text in its ``which``-th other wording (as :func:`describe` writes IFEval's)."""
+    shown = {k: _quoted(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    return wordings(instruction_id, kwargs)[which].format(**shown)
+
+
+def template_words(text: str) -> List[str]:
+    """The content words of a wording's own text (its ``{fields}`` left out)."""
+    return content_words(re.sub(r"\{\w+\}", " ", text))
+
+
+def reworded(row: dict, seed: int) -> dict:
+    """A held-out ``row`` with its constraints in other wordings (:data:`REWORDINGS`), drawn per constraint with a
+    generator seeded by ``seed`` and the instruction; the ids and kwargs (what the checker checks) unchanged. A
+    wording whose own words include one of the row's forbidden words is passed over for the next, so the prompt
+    never writes a word it forbids."""
+    rng = random.Random(f"{seed}:reworded:{row['instruction']}")
+    forbidden = {w.lower() for i, k in zip(row["instruction_id_list"], row["kwargs"]) if i == FORBIDDEN
+                 for w in k["forbidden_words"]}
+    texts = []
+    for instruction_id, kwargs in zip(row["instruction_id_list"], row["kwargs"]):
+        options = wordings(instruction_id, kwargs)
+        first = rng.randrange(len(options))
+        order = [(first + n) % len(options) for n in range(len(options))]
+        which = next((w for w in order if not forbidden & set(template_words(options[w]))), first)
+        texts.append(reword(instruction_id, kwargs, which))
+    return dict(row, prompt=" ".join([with_period(row["instruction"])] + texts))
+
+
 # --------------------------------------------------------------------------- reading alpaca
 
 def read_alpaca(path: str) -> List[dict]:
@@ -279,7 +388,7 @@ def split(items: List[Tuple[int, str, str]], heldout: int, seed: int) -> Tuple[l
 
 def build(rows: List[dict], seed: int, heldout: int, types: Tuple[str, ...] = TYPES,
           train_weights: Optional[Dict[str, float]] = None) -> Dict[str, List[dict]]:
-    """The three files' rows (module docstring) from alpaca ``rows``, constraints of ``types``; the training rows'
+    """The four files' rows (module docstring) from alpaca ``rows``, constraints of ``types``; the training rows'
     drawn with ``train_weights`` (:func:`constrain`), the held-out rows' uniformly whatever they are, so that
     runs trained on differently weighted data are scored on the same held-out prompts."""
     items = instructions(rows)
@@ -296,8 +405,9 @@ def build(rows: List[dict], seed: int, heldout: int, types: Tuple[str, ...] = TY
 
     plain = [{"key": key, "prompt": instruction, "instruction": instruction, "reference_output": output}
              for key, instruction, output in held]
-    return {"train.jsonl": [constrained(i, train_weights) for i in train],
-            "heldout.jsonl": [constrained(i) for i in held], "heldout_plain.jsonl": plain}
+    heldout = [constrained(i) for i in held]
+    return {"train.jsonl": [constrained(i, train_weights) for i in train], "heldout.jsonl": heldout,
+            "heldout_plain.jsonl": plain, "heldout_reworded.jsonl": [reworded(row, seed) for row in heldout]}
 
 
 def parse_weights(text: str, types: Tuple[str, ...]) -> Dict[str, float]:
@@ -331,7 +441,7 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--alpaca", required=True, help="An alpaca file (JSON list or lines of instruction/input/output).")
-    p.add_argument("--out", required=True, help="The folder train.jsonl, heldout.jsonl and heldout_plain.jsonl go to.")
+    p.add_argument("--out", required=True, help="The folder train.jsonl and the held-out files go to.")
     p.add_argument("--seed", type=int, default=1234, help="Seeds the split and the constraints drawn.")
     p.add_argument("--heldout", type=int, default=200, help="Instructions held out of training (≥ 1).")
     p.add_argument("--types", default=None,
@@ -345,7 +455,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    """Write the three files; a mistake of the user's is one ``error:`` line and exit 2."""
+    """Write the four files; a mistake of the user's is one ``error:`` line and exit 2."""
     from utils.files import atomic_write_text
 
     args = parse_args(argv)
@@ -378,7 +488,8 @@ def main(argv=None) -> int:
     for row in files["train.jsonl"] + files["heldout.jsonl"]:
         for t in row["instruction_id_list"]:
             counts[t] = counts.get(t, 0) + 1
-    print(f"wrote {args.out}: train.jsonl {len(files['train.jsonl'])} rows, heldout.jsonl and heldout_plain.jsonl "
+    print(f"wrote {args.out}: train.jsonl {len(files['train.jsonl'])} rows, heldout.jsonl, heldout_plain.jsonl and "
+          f"heldout_reworded.jsonl "
           f"{len(files['heldout.jsonl'])} rows each; constraints: "
           + ", ".join(f"{t.split(':')[1]} {n}" for t, n in sorted(counts.items())))
     return 0

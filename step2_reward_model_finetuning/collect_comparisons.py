@@ -105,7 +105,8 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
     pairs, counts = [], []
     for i, prompt in enumerate(prompts):
         found = ranked_pairs(prompt, answers[i * K:(i + 1) * K], scores[i * K:(i + 1) * K])
-        pairs += found
+        kinds = prompts_rows[i][1].get("instruction_id_list")  # IFEval rows: a pair's constraint types, for a
+        pairs += [dict(pair, instruction_id_list=kinds) for pair in found] if kinds else found  # per-type accuracy
         counts.append(len(found))
     return pairs, counts, scores
 

@@ -7,7 +7,8 @@
 parse → distributed/DeepSpeed config → tokenizer / reward model (backbone + v_head,
 +LoRA) → phase-2 pairs → optimizer/scheduler → ``deepspeed.initialize`` → evaluate
 (chosen score, rejected score, accuracy) → train, evaluating every ``--eval_interval``
-steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`). With
+steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`). With ``--kwise`` a training batch
+holds whole prompts' pairs, each distinct answer forwarded once (:func:`kwise_loader`). With
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
@@ -22,8 +23,9 @@ from dataclasses import asdict
 import torch
 
 from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser
-from utils.checkpoint import CheckpointManager, run_inputs
-from utils.data.data_utils import DataCollatorReward, create_prompt_dataset, pad_multiple
+from utils.checkpoint import CheckpointManager, resumable_loader, run_inputs
+from utils.data.data_utils import (DataCollatorKwise, DataCollatorReward, create_prompt_dataset, group_by_prompt,
+                                   pad_multiple)
 from utils.distributed import get_all_reduce_mean
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
@@ -46,6 +48,11 @@ def parse_args(argv=None):
                    help="span: DeepSpeed-Chat's pairwise loss, averaged over every token from where chosen and "
                         "rejected diverge; end: InstructGPT's, on the end scores only (better for comparisons of "
                         "answers drawn independently, e.g. collect_comparisons.py's).")
+    g.add_argument("--kwise", action="store_true",
+                   help="InstructGPT's K-wise batching: a prompt's pairs (collect_comparisons.py's every pair of its "
+                        "K answers) train in one batch, each distinct answer forwarded once, the loss averaged per "
+                        "prompt then over prompts; --per_device_train_batch_size then counts prompts. The eval is "
+                        "unchanged (pairs).")
     add_eval_args(g)
     parser.set_defaults(learning_rate=5e-5)
     return parser.parse_args(argv)
@@ -86,6 +93,21 @@ def check_padding_at_beginning(dataset, pad_token_id: int, npab: int) -> None:
                              "BOS is the pad token, need 1; most others 0)")
 
 
+def kwise_loader(train_dataset, collate: DataCollatorReward, args, log):
+    """``--kwise``'s training loader: the pairs grouped by prompt (:func:`~utils.data.data_utils.group_by_prompt`),
+    ``--per_device_train_batch_size`` prompts a batch, shuffled and resumable like the pairwise loader."""
+    prompts = group_by_prompt(train_dataset)
+    sizes = sorted(len(group) for group in prompts.samples)
+    log.info(f"K-wise batches: {len(train_dataset)} pairs of {len(prompts)} prompts (pairs per prompt: "
+             f"{sizes[0]}-{sizes[-1]}, median {sizes[len(sizes) // 2]}), {args.per_device_train_batch_size} prompts "
+             "a batch")
+    if sizes[-1] == 1:
+        log.warning("--kwise: no two pairs share a prompt's answer, so every prompt has one pair and the loss is "
+                    "the ordinary one")
+    return resumable_loader(prompts, args.per_device_train_batch_size, args.seed,
+                            collate_fn=DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple))
+
+
 def format_eval(metrics: dict) -> str:
     return (f"chosen_last_scores (higher is better): {metrics['chosen']:.4f}, "
             f"rejected_last_scores (lower is better): {metrics['rejected']:.4f}, acc: {metrics['acc']:.4f}, "
@@ -117,6 +139,8 @@ def run(args, folder):
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning)
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
+    if args.kwise:  # batches of whole prompts (each distinct answer once); the eval stays pairwise
+        train_loader = kwise_loader(train_dataset, collate, args, log)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
     model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)
@@ -156,7 +180,7 @@ def run(args, folder):
                 continue
             step = position.step = report_optimizer_step(
                 log, args, model, epoch, total_steps, f"loss = {loss_value:.4f}", tokens, time.time() - start,
-                2 * args.per_device_train_batch_size, batch["input_ids"].shape[1], loss=loss_value)
+                batch["input_ids"].shape[0], batch["input_ids"].shape[1], loss=loss_value)
             tokens = 0
             if args.eval_interval and step % args.eval_interval == 0 and step < total_steps:
                 evaluate(step, f"at step {step}")

@@ -116,6 +116,86 @@ def test_peer_bench_commands_are_accepted_by_each_step(trainer, tmp_path):
         assert peer[peer.index("--batch") + 1] == "4" and peer[peer.index("--max_len") + 1] == "512"
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "sft", "rm", "dpo"])
+def test_peer_bench_on_a_gpu_runs_bf16_on_both_sides(trainer, tmp_path):
+    """On a GPU the peer bench runs ours twice (--dtype bf16; --dtype bf16 --torch_autocast) and TRL with bf16=True;
+    on the CPU fp32 once each, as before. Every command is accepted by its parser."""
+    bench = load_module("bench_peers")
+    trl_run = load_module("peers/trl_run")
+    assert bench.planned_runs("cuda", "ours,trl") == [("ours", "bf16"), ("ours", "bf16-autocast"), ("trl", "bf16")]
+    assert bench.planned_runs("cpu", "ours,trl") == [("ours", "fp32"), ("trl", "fp32")]
+    assert bench.planned_runs("cuda", "trl") == [("trl", "bf16")]
+    opts = Namespace(steps=8, group=4, grpo_batch=16, answer_len=48, max_len=512, batch=4)
+    data = {"gsm8k": "g.jsonl", "hh": "hh", "hh_trl": "hh.jsonl"}
+    module = importlib.import_module({"grpo": MAINS["3"], "sft": MAINS["1"], "rm": MAINS["2"],
+                                      "dpo": MAINS["dpo"]}[trainer])
+    for precision, autocast in (("bf16", False), ("bf16-autocast", True)):
+        args = module.parse_args(bench.our_command(trainer, "model", data, str(tmp_path), opts, precision)[1:])
+        assert args.dtype == "bf16" and args.torch_autocast is autocast
+        if trainer != "grpo":  # evaluated at the training batch (TRL does not evaluate: no peak of its own)
+            assert args.per_device_eval_batch_size == args.per_device_train_batch_size == 4
+    peer = bench.trl_command(trainer, "model", data, str(tmp_path), opts, "bf16")
+    targs = trl_run.parse_args([*peer[1:]])
+    assert targs.dtype == "bf16" and trl_run.common_args(targs)["bf16"] is True
+    assert trl_run.parse_args(bench.trl_command(trainer, "model", data, str(tmp_path), opts)[1:]).dtype == "fp32"
+
+
+def test_peer_bench_gpu_memory_is_the_polled_peak_above_the_start():
+    bench = load_module("bench_peers")
+    readings = iter([500, 700, 2000, 1500] + [900] * 1000)
+    with bench.GpuMemoryPeak(interval=0.001, read=lambda: next(readings)) as mem:
+        import time
+        time.sleep(0.2)
+    assert mem.base == 500 and mem.peak == 1500
+    with bench.GpuMemoryPeak(read=lambda: None) as none:  # no nvidia-smi: no figure
+        pass
+    assert none.peak is None
+    rows = {("ours", "bf16"): dict(s_per_step=1.0, samples_per_s=8.0, tokens_per_s=4000.0, tokens_per_step=4000,
+                                   peak_rss=1, peak_gpu=6 * 2**30),
+            ("trl", "bf16"): dict(s_per_step=2.0, samples_per_s=4.0, tokens_per_s=2000.0, tokens_per_step=4000,
+                                  peak_rss=1, peak_gpu=8 * 2**30)}
+    text = bench.table("sft", rows, Namespace(steps=8, warmup=2), "1.16.0")
+    assert "peak GPU memory" in text and "| this project, bf16 | 1.00 | 8.000 | 4000.0 | 4000 | 6.00 GiB |" in text
+    assert "| ours (bf16) / TRL | 0.50× | **2.00×** | **2.00×** | 1.00× | **0.75×** |" in text
+
+
+def test_peer_bench_shapes_have_the_real_models_parameter_counts():
+    """By hand (bench/peers/shapes.py): SmolLM2-135M 49152·576 + 30·(884,736 + 2,654,208 + 1,152) + 576; Llama-3.2-1B
+    128256·2048 + 16·(10,485,760 + 50,331,648 + 4,096) + 2048 (tied embeddings: the LM head is the embedding)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    shapes = load_module("peers/shapes")
+    expected = {"smollm2-135m": 49152 * 576 + 30 * (884_736 + 2_654_208 + 1_152) + 576,
+                "llama-1b": 128256 * 2048 + 16 * (10_485_760 + 50_331_648 + 4_096) + 2048}
+    assert expected == {"smollm2-135m": 134_515_008, "llama-1b": 1_235_814_400}
+    for name, count in expected.items():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(shapes.shape_config(name))
+        assert sum(p.numel() for p in model.parameters()) == count
+
+
+def test_peer_bench_shape_folder_loads_with_a_chat_template_and_never_ends_an_answer(tmp_path, monkeypatch):
+    """A built shape (one layer here) loads as a causal LM with its tokenizer and chat template, and the tokens that
+    end an answer (EOS, end of turn) sit tens of logits below the best after any ordinary input."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shapes = load_module("peers/shapes")
+    monkeypatch.setattr(shapes, "DEFAULT_MODEL", str(tmp_path / "absent"))  # the offline BPE, as on a bare machine
+    out = shapes.build_shape("smollm2-135m", str(tmp_path / "shape"), layers=1, device="cpu", log=lambda line: None)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template and model.config.vocab_size == 49152 and model.config.num_hidden_layers == 1
+    assert model.config.tie_word_embeddings and model.config.hidden_size == 576
+    ends = shapes.end_token_ids(tokenizer)
+    assert tokenizer.eos_token_id in ends and tokenizer.convert_tokens_to_ids("<|im_end|>") in ends
+    assert shapes.end_token_margin(model, tokenizer) > 30
+    answer = model.generate(torch.tensor([[5, 6, 7]]), do_sample=True, max_new_tokens=20, min_new_tokens=0,
+                            eos_token_id=ends, pad_token_id=tokenizer.pad_token_id)
+    assert answer.shape[1] == 23  # sampled to the cap: no end token drawn
+
+
 def test_peer_bench_times_steps_after_the_warm_up():
     bench = load_module("bench_peers")
     steps = [{"time": t, "tokens": 100 * (i + 1), "samples": 4} for i, t in enumerate([10.0, 13.0, 15.0, 18.0, 20.0])]
@@ -159,18 +239,25 @@ def test_real_rl_bench_summarizes_a_recipes_seeds(tmp_path, capsys):
                                                "punctuation:no_comma": commas},
                 "f1": 0.25, "plain_f1": 0.3, "length": 60.0, "bare": 0.01, "kl": 4.0, "gsm8k": 0.02}
 
+    def reworded(strict):  # the reworded set's numbers beside the template set's
+        return {"reworded": {"strict": strict, "per_type": {}}}
+
     base = evaluation(0.40, 0.43, 0.39)
-    runs = {"s1": {"base": base, "grpo": evaluation(0.52, 0.92, 0.37)},  # commas -2: within 3 points
+    runs = {"s1": {"base": dict(base, **reworded(0.30)), "grpo": dict(evaluation(0.52, 0.92, 0.37),  # commas -2: within
+                                                                     **reworded(0.36))},  # 3 points
             "s2": {"base": base, "grpo": evaluation(0.40, 0.76, 0.22), "trl": evaluation(0.47, 0.95, 0.39)}}
     for name, results in runs.items():
         os.makedirs(tmp_path / name)
         (tmp_path / name / "results.json").write_text(json.dumps(results))
     assert bench.main(["--summarize", str(tmp_path / "s1"), str(tmp_path / "s2")]) == 0
     out = capsys.readouterr().out
-    assert "| s1 | grpo | 0.520 | 0.250 / 0.300 | 60.0 | 1.0 % | 4.00 | 2.0 % | none |" in out
-    assert "| s2 | grpo | 0.400 |" in out and out.count("no_comma -17") == 1
-    assert "grpo: mean strict 0.460 (+6.0 points) over 2 run(s), range 0.400 – 0.520" in out
+    assert "| s1 | grpo | 0.520 / 0.360 | 0.250 / 0.300 | 60.0 | 1.0 % | 4.00 | 2.0 % | none |" in out
+    assert "| s2 | grpo | 0.400 / — |" in out and out.count("no_comma -17") == 1  # a run from before the set: —
+    assert "grpo: mean strict 0.460 (+6.0 points) over 2 run(s), range 0.400 – 0.520\n" in out  # not every run has it
     assert "trl: mean strict 0.470 (+7.0 points) over 1 run(s)" in out
+    assert bench.main(["--summarize", str(tmp_path / "s1")]) == 0
+    assert "grpo: mean strict 0.520 (+12.0 points) over 1 run(s), range 0.520 – 0.520; reworded 0.360 (+6.0 points)" \
+        in capsys.readouterr().out
     os.makedirs(tmp_path / "unfinished")
     with pytest.raises(UserInputError, match="not a finished run"):  # one error line, exit 2 (run_script)
         bench.main(["--summarize", str(tmp_path / "unfinished")])
@@ -265,15 +352,7 @@ def test_real_rl_bench_commands_are_accepted_by_each_step(estimator, scale_rewar
     assert args.reward_fn == bench.GUARDED and args.max_steps == 22 and args.save_interval == 11 and args.seed == 7
     assert (args.temperature, args.lr_scheduler_type, args.num_warmup_steps) == (0.7, "cosine", 2)
     assert (args.advantage_estimator, args.loss_agg) == (estimator, "token_mean")  # TRL's dapo loss: the token mean
-    collect, rm, ppo = bench.ppo_commands("model", data, str(tmp_path / "ppo"), opts)
-    importlib.import_module("step2_reward_model_finetuning.collect_comparisons").parse_args(collect[1:])
-    rm_args = importlib.import_module(MAINS["2"]).parse_args(rm[1:])
-    validate_common(rm_args)
-    args = importlib.import_module(MAINS["3"]).parse_args(ppo[1:])
-    assert rm_args.adam_betas == args.adam_betas == [0.9, 0.999]
-    args.dtype = "fp32"
-    validate_step3(args)
-    assert args.advantage_estimator == "gae" and args.max_steps == 22
+    # the rm, ppo_fn and ppo rows' commands: tests/test_real_rl_rows.py
     trl = bench.trl_command("model", data, str(tmp_path / "trl"), opts)  # the peer's row: same settings
     flags = dict(zip(trl[2::2], trl[3::2]))
     assert trl[:2] == ["bench/peers/trl_run.py", "grpo"] and flags["--save_at"] == "11"

@@ -267,8 +267,8 @@ def test_builder_is_deterministic_and_splits_by_instruction(tmp_path):
     files, out = _build(tmp_path, "a")
     again, out2 = _build(tmp_path, "b")
     assert all((out / f).read_bytes() == (out2 / f).read_bytes() for f in builder.OUTPUTS)
-    train, held, plain = (files[f] for f in builder.OUTPUTS)
-    assert len(train) == 30 and len(held) == len(plain) == 10  # 40 distinct instructions with no input
+    train, held, plain, reworded = (files[f] for f in builder.OUTPUTS)
+    assert len(train) == 30 and len(held) == len(plain) == len(reworded) == 10  # 40 distinct instructions, no input
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     assert [(r["key"], r["instruction"], r["reference_output"]) for r in plain] == \
         [(r["key"], r["instruction"], r["reference_output"]) for r in held]
@@ -321,8 +321,8 @@ def test_builder_refuses_bad_input_in_one_line(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps([{"instruction": "x", "output": 3}]))
     assert builder.main(["--alpaca", str(tmp_path / "bad.json"), "--out", str(tmp_path / "m")]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert errors == [f"error: --out {out} already holds train.jsonl, heldout.jsonl, heldout_plain.jsonl; pass "
-                      "--overwrite to replace them, or give another --out",
+    assert errors == [f"error: --out {out} already holds train.jsonl, heldout.jsonl, heldout_plain.jsonl, "
+                      "heldout_reworded.jsonl; pass --overwrite to replace them, or give another --out",
                       "error: --alpaca: 40 distinct instructions with an empty input; --heldout 40 leaves none to "
                       "train on (give more rows or a smaller --heldout)",
                       f"error: --alpaca {tmp_path / 'bad.json'}: row 1: field 'output' must be a string, got int"]
@@ -337,6 +337,30 @@ def test_builder_on_the_shared_alpaca_demo(tmp_path):
     assert len(held) >= 200 and len(train) >= 300
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in held}
     assert all(0.0 <= compliance(r, r["reference_output"]) <= 1.0 for r in train + held)
+
+
+def test_the_reworded_set_left_the_bench_data_byte_for_byte_as_before(tmp_path):
+    """heldout_reworded.jsonl came beside the other files without moving a byte of them: the bench's data (the
+    shared alpaca demo, its seed, types and held-out count; uniform and with the recipe's --train_weights) hash as
+    the builder wrote them before the set existed, so earlier runs' numbers stay comparable."""
+    import hashlib
+
+    src = shared_data("llama-factory-demo", "alpaca_en_demo.json")
+    types = ("punctuation:no_comma,startend:end_checker,keywords:existence,keywords:forbidden_words,"
+             "length_constraints:number_words,detectable_format:number_bullet_lists,detectable_content:postscript,"
+             "detectable_format:title,detectable_format:number_highlighted_sections")  # bench_real_rl.TYPES
+    before = {"heldout.jsonl": "cec270e3ff3259b719e562744794114977465b9403d4bb34f49bdd73920f670f",
+              "heldout_plain.jsonl": "04b00f985304a58dd4df77e1bb15c3ebf17ee04987a71dac34818c530c6b2fc9"}
+    trains = {None: "5739f621e1d695435c99256ce353a38c2484cc6a2cddb7ece020ce3cbe1656bc",
+              "keywords:existence=2,keywords:forbidden_words=2,punctuation:no_comma=2,startend:end_checker=2":
+              "bcf0b5f5caf7ea1c24acb43bf98763f11ae43d2de7b75ce2af0731c2a13fd3d8"}
+    for n, (weights, train) in enumerate(trains.items()):
+        out = tmp_path / str(n)
+        assert builder.main(["--alpaca", str(src), "--out", str(out), "--seed", "1234", "--heldout", "220", "--types",
+                             types, *(["--train_weights", weights] if weights else [])]) == 0
+        digest = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in builder.OUTPUTS}
+        assert digest == dict(before, **{"train.jsonl": train, "heldout_reworded.jsonl": digest[
+            "heldout_reworded.jsonl"]})
 
 
 # --------------------------------------------------------------------------- the content guard (ifeval_guarded)
@@ -422,6 +446,7 @@ def test_train_weights_change_the_training_draws_only(tmp_path, capsys):
                              train_weights={"punctuation:no_comma": 4.0})
     assert weighted["heldout.jsonl"] == plain["heldout.jsonl"]
     assert weighted["heldout_plain.jsonl"] == plain["heldout_plain.jsonl"]
+    assert weighted["heldout_reworded.jsonl"] == plain["heldout_reworded.jsonl"]
 
     def first_share(part):  # the first constraint's odds: 4 of 6 weighted, 1 of 3 uniform
         return sum(r["instruction_id_list"][0] == "punctuation:no_comma" for r in part) / len(part)

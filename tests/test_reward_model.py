@@ -273,3 +273,56 @@ def test_bf16_scores_keep_differences_below_bf16_resolution():
     values = model.forward_value(ids, prompt_length=2)
     assert values["values"].dtype == torch.float32
     assert values["chosen_end_scores"].tolist() == pytest.approx([1.40625 + 0.001953125, 1.40625], abs=1e-6)
+
+
+# --------------------------------------------------------------------------- best-of-n and accuracy per group (scoring)
+
+def test_best_of_n_by_hand():
+    from utils.model.scoring import best_of_n
+
+    nan, inf = float("nan"), float("inf")
+    scores = torch.tensor([[0.1, 0.7, 0.3],
+                           [0.5, 0.9, 0.9],       # a tie: the first of the equal ones
+                           [nan, 0.2, nan],       # NaN is never chosen ...
+                           [nan, nan, nan],       # ... unless the whole row is NaN: the first answer
+                           [-inf, nan, -inf],     # -inf is a score (a NaN is not, though torch.argmax takes it)
+                           [nan, 2.0, inf]])
+    assert best_of_n(scores).tolist() == [1, 1, 1, 0, 0, 2]
+    assert best_of_n(scores).dtype == torch.long
+    assert torch.argmax(scores[2]).item() == 0  # why best_of_n masks NaN
+    assert best_of_n(torch.tensor([[3.0]])).tolist() == [0]
+    with pytest.raises(ValueError, match="P, N ≥ 1"):
+        best_of_n(torch.tensor([1.0, 2.0]))
+
+
+def test_pair_accuracy_by_group_by_hand():
+    from utils.model.scoring import pair_accuracy_by_group
+
+    chosen = torch.tensor([1.0, 0.0, 2.0, 0.5, float("nan")])
+    rejected = torch.tensor([0.0, 1.0, 2.0, 0.0, 0.0])
+    groups = ["length", "length", "keyword", ["keyword", "format"], "format"]
+    # right: pair 0 (1 > 0) and pair 3 (0.5 > 0); pair 2 ties (wrong, as step 2's eval), pair 4's NaN is wrong
+    out = pair_accuracy_by_group(chosen, rejected, groups)
+    assert out["overall"] == {"pairs": 5, "correct": 2, "accuracy": 0.4}
+    assert out["groups"] == {"format": {"pairs": 2, "correct": 1, "accuracy": 0.5},
+                             "keyword": {"pairs": 2, "correct": 1, "accuracy": 0.5},
+                             "length": {"pairs": 2, "correct": 1, "accuracy": 0.5}}
+    assert list(out["groups"]) == ["format", "keyword", "length"]
+    empty = pair_accuracy_by_group([], [], [])
+    assert empty["overall"]["pairs"] == 0 and empty["groups"] == {}
+    with pytest.raises(ValueError, match="2 chosen, 2 rejected scores, 1 groups"):
+        pair_accuracy_by_group([1.0, 2.0], [0.0, 0.0], ["a"])
+
+
+def test_score_answers_scores_each_answer_and_pads_ragged_rows_with_nan(opt):
+    from utils.model.scoring import best_of_n, score_answers, score_texts
+
+    model, tok = opt
+    prompts = [PROMPT, " Human: Describe the door. Assistant:"]
+    answers = [[GOOD, BAD, " The lamp."], [" The door is open."]]
+    scores = score_answers(model, tok, prompts, answers, 128, tok.eos_token, batch_size=2)
+    assert scores.shape == (2, 3) and torch.isnan(scores[1, 1:]).all()
+    one_by_one = [score_texts(model, tok, [(p, a)], 128, tok.eos_token)[0] for p, row in zip(prompts, answers)
+                  for a in row]
+    assert scores[0].tolist() + scores[1, :1].tolist() == pytest.approx(one_by_one, abs=1e-5)
+    assert best_of_n(scores)[1].item() == 0  # the padding is never the best

@@ -960,6 +960,7 @@ def pairwise_reward_loss(
     rejected_ids: torch.Tensor,
     pad_token_id: int,
     num_padding_at_beginning: int = 0,
+    per_pair: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DeepSpeed-Chat pairwise ranking loss on per-token rewards.
 
@@ -983,9 +984,11 @@ def pairwise_reward_loss(
         rejected_ids: ``[B, L]``.
         pad_token_id: pad id.
         num_padding_at_beginning: leading pad-id tokens to skip (1 for OPT, else 0).
+        per_pair: return the ``[B]`` losses ``loss_i`` instead of their mean (step 2's ``--kwise`` weights them
+            by prompt, :func:`utils.model.reward_model.kwise_loss`).
 
     Returns:
-        ``(loss, chosen_scores, rejected_scores)``: scalar float32, ``[B]``, ``[B]``.
+        ``(loss, chosen_scores, rejected_scores)``: scalar float32 (``[B]`` with ``per_pair``), ``[B]``, ``[B]``.
     """
     B, L = chosen_ids.shape
     c_end, r_end, divergence, end = _pair_indices(chosen_ids, rejected_ids, pad_token_id, num_padding_at_beginning)
@@ -993,7 +996,8 @@ def pairwise_reward_loss(
     positions = torch.arange(L, device=chosen_ids.device).expand(B, L)
     span = (positions >= divergence[:, None]) & (positions < end[:, None])
     per_token = -F.logsigmoid(chosen_rewards.float() - rejected_rewards.float())
-    loss = masked_mean(per_token, span, dim=1).mean()
+    loss = masked_mean(per_token, span, dim=1)
+    loss = loss if per_pair else loss.mean()
 
     chosen_scores = chosen_rewards.gather(1, (c_end - 1).clamp(min=0)[:, None]).squeeze(1)
     rejected_scores = rejected_rewards.gather(1, (r_end - 1).clamp(min=0)[:, None]).squeeze(1)

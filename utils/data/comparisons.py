@@ -7,6 +7,10 @@ prompt. Unlike pairs that differ by one edit, these compare answers drawn indepe
 other, the way the answers PPO will score are drawn, so a reward model trained on them learns one
 scale for all of them. Pure Python: no torch.
 
+Step 2's ``--kwise`` (InstructGPT's K-wise batching) trains on a prompt's pairs together:
+:func:`group_pairs` finds them again in the tokenised pairs, :func:`dedup_answers` numbers a batch's distinct
+answers so each is forwarded once.
+
 A row of the written dataset (``train.jsonl`` / ``eval.jsonl``, the layout every step reads)::
 
     {"prompt": " Human: Describe the lamp. Assistant:", "chosen": " The lamp is kind and calm and warm.",
@@ -14,7 +18,7 @@ A row of the written dataset (``train.jsonl`` / ``eval.jsonl``, the layout every
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Hashable, List, Sequence, Tuple
 
 
 def ranked_pairs(prompt: str, answers: Sequence[str], scores: Sequence[float]) -> List[Dict[str, object]]:
@@ -45,3 +49,51 @@ def summarize(pairs_per_prompt: List[int], answers: int, scores: Sequence[float]
     return {"prompts": len(pairs_per_prompt), "answers": answers, "pairs": sum(pairs_per_prompt),
             "prompts_without_pairs": sum(n == 0 for n in pairs_per_prompt),
             "mean_score": sum(scores) / max(len(scores), 1)}
+
+
+# --------------------------------------------------------------------------- K-wise batching (step 2 --kwise)
+
+def group_pairs(pairs: Sequence[Tuple[Hashable, Hashable]]) -> List[List[int]]:
+    """Indices of ``pairs`` (``(chosen, rejected)`` keys, e.g. token-id tuples of ``prompt + answer``), grouped by
+    prompt: two pairs go together when they share a text, directly or through other pairs (the connected
+    components of the graph whose nodes are the texts and whose edges are the pairs).
+
+    Why that is the prompt: a text begins with its prompt, so texts of different prompts never meet; and
+    :func:`ranked_pairs` pairs every two differently scored answers of a prompt, so all of a prompt's paired
+    answers are connected (each is paired with every answer of another score). A subset of a prompt's pairs (a
+    ``--data_split`` share of them) may fall into several groups, each still of one prompt; a dataset of
+    unrelated pairs (hh-rlhf) gives one group per pair.
+
+    Groups come in the order of their first pair, each group's indices ascending: the same input gives the same
+    groups. Pure Python.
+    """
+    parent: Dict[Hashable, Hashable] = {}
+
+    def root(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]  # path halving
+            x = parent[x]
+        return x
+
+    for chosen, rejected in pairs:
+        for key in (chosen, rejected):
+            parent.setdefault(key, key)
+        a, b = root(chosen), root(rejected)
+        if a != b:
+            parent[b] = a
+    groups: Dict[Hashable, List[int]] = {}
+    for i, (chosen, _) in enumerate(pairs):
+        groups.setdefault(root(chosen), []).append(i)
+    return list(groups.values())
+
+
+def dedup_answers(pairs: Sequence[Tuple[Hashable, Hashable]]) -> Tuple[List[Hashable], List[int], List[int]]:
+    """``(texts, chosen_index, rejected_index)``: the distinct texts of ``pairs`` in first-seen order (chosen before
+    rejected within a pair), and for pair ``i`` the positions of its chosen and rejected text in ``texts``. A batch
+    forwards ``texts`` once each; pair ``i`` reads rows ``chosen_index[i]`` and ``rejected_index[i]``."""
+    position: Dict[Hashable, int] = {}
+    chosen_index, rejected_index = [], []
+    for chosen, rejected in pairs:
+        chosen_index.append(position.setdefault(chosen, len(position)))
+        rejected_index.append(position.setdefault(rejected, len(position)))
+    return list(position), chosen_index, rejected_index

@@ -11,6 +11,8 @@ phase    one sample                           collated batch
          (chat template: {"input_ids",        (and the prompt's tokens → -100)
          "prompt_length"})
 2 (RM)   (prompt+chosen+eot, prompt+rej+eot)  input_ids/attention_mask [2B, L] = [chosen…; rejected…]
+         (``--kwise``: a prompt's pairs,      (``--kwise``: [U, L], each distinct text once, and the
+         :func:`group_by_prompt`)             pairs' rows and prompts, :class:`DataCollatorKwise`)
 3 (PPO)  {"input_ids": prompt, "prompt": its   prompt/prompt_att_mask [B, max_prompt_len], LEFT-padded;
          text, "row": the dataset row}        prompt_text and rows: lists of the texts and rows
 =======  ===================================  =====================================================
@@ -497,6 +499,51 @@ class DataCollatorReward:
         length = min(_round_up(max(len(s) for s in seqs), self.multiple), self.max_seq_len)
         ids, mask = _right_pad(seqs, length, self.pad_token_id)
         return {"input_ids": ids, "attention_mask": mask}
+
+
+def group_by_prompt(dataset: PromptDataset) -> PromptDataset:
+    """Step 2's ``--kwise``: the phase-2 pairs of ``dataset`` grouped by prompt
+    (:func:`utils.data.comparisons.group_pairs`), one sample per prompt: the list of its ``(chosen, rejected)``
+    pairs. A loader's batch size then counts prompts, and an epoch's shuffle moves whole prompts."""
+    from utils.data.comparisons import group_pairs
+
+    keys = [(tuple(c.tolist()), tuple(r.tolist())) for c, r in dataset.samples]
+    grouped = PromptDataset([[dataset.samples[i] for i in group] for group in group_pairs(keys)], 2, dataset.stats)
+    grouped.cache_key = dataset.cache_key
+    return grouped
+
+
+class DataCollatorKwise:
+    """Phase 2 with ``--kwise`` (InstructGPT's K-wise batching): samples are prompts (:func:`group_by_prompt`),
+    each a list of ``(chosen, rejected)`` pairs; each distinct text of the batch is one row
+    (:func:`utils.data.comparisons.dedup_answers`), however many pairs it is in.
+
+    Returns ``input_ids``/``attention_mask`` ``[U, L]`` (U distinct texts, L: the longest rounded up to
+    ``pad_to_multiple``, ≤ max_seq_len), ``chosen_index``/``rejected_index`` ``[N]`` long (pair i's rows) and
+    ``pair_group`` ``[N]`` long (pair i's prompt: 0 … prompts − 1), for
+    :meth:`utils.model.reward_model.RewardModel.forward`."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int, pad_to_multiple: int = 8):
+        self.pad_token_id, self.max_seq_len, self.multiple = pad_token_id, max_seq_len, pad_to_multiple
+
+    def __call__(self, prompts):
+        from utils.data.comparisons import dedup_answers
+
+        pairs = [pair for group in prompts for pair in group]
+        tensors = {}
+        keys = []
+        for chosen, rejected in pairs:
+            key = (tuple(chosen.tolist()), tuple(rejected.tolist()))
+            tensors.setdefault(key[0], chosen)
+            tensors.setdefault(key[1], rejected)
+            keys.append(key)
+        texts, chosen_index, rejected_index = dedup_answers(keys)
+        seqs = [tensors[t][:self.max_seq_len] for t in texts]
+        length = min(_round_up(max(len(s) for s in seqs), self.multiple), self.max_seq_len)
+        ids, mask = _right_pad(seqs, length, self.pad_token_id)
+        group = [g for g, pairs_of_prompt in enumerate(prompts) for _ in pairs_of_prompt]
+        return {"input_ids": ids, "attention_mask": mask, "chosen_index": torch.tensor(chosen_index),
+                "rejected_index": torch.tensor(rejected_index), "pair_group": torch.tensor(group)}
 
 
 class DataCollatorRLHF:

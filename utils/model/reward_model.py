@@ -9,6 +9,9 @@
   DeepSpeed-Chat's pairwise loss (:func:`utils.rl_math.pairwise_reward_loss`). There a
   sequence's score is read at ``c − 1``, ``c`` = its pad-id token number
   ``num_padding_at_beginning`` (0-based; OPT's leading BOS = pad is skipped with 1).
+* ``forward(input_ids, attention_mask, chosen_index, rejected_index, pair_group)`` on a ``--kwise`` batch
+  (:class:`~utils.data.data_utils.DataCollatorKwise`: U distinct texts, N pairs of G prompts) forwards each text
+  once and returns the same keys (scores ``[N]``), with InstructGPT's K-wise loss (:func:`kwise_loss`).
 * ``forward_value(input_ids, attention_mask, prompt_length=P)`` returns per-token
   ``values [B, T]`` and ``chosen_end_scores [B]`` (see :func:`end_score_index`): the
   value at the **last token before the first pad token after the prompt**, or at the last
@@ -64,6 +67,32 @@ def end_score_index(input_ids: torch.Tensor, prompt_length: Union[int, torch.Ten
     is_end = (input_ids == pad_token_id) & (positions >= start[:, None])
     first_end = torch.where(is_end, positions, torch.full_like(positions, T)).min(dim=1).values
     return (first_end - 1).clamp(min=0)
+
+
+def kwise_loss(pair_losses: torch.Tensor, pair_group: torch.Tensor) -> torch.Tensor:
+    """InstructGPT's K-wise average of pair losses: each prompt's pairs averaged, then the prompts averaged.
+
+    InstructGPT (Ouyang et al. 2022, eq. 1) puts all C(K, 2) comparisons of a prompt's K answers in one batch
+    element and scales them by 1/C(K, 2): a prompt with many pairs weighs what a prompt with one pair does, and
+    no answer is seen in many separate updates (which overfit there). With one pair per prompt this is the plain
+    mean over pairs, step 2's ordinary loss.
+
+    Args:
+        pair_losses: ``[N]`` loss of each pair (e.g. ``−logσ(s_c − s_r)``).
+        pair_group: ``[N]`` long, the prompt of each pair (any ids; only equality matters).
+
+    Returns:
+        Scalar: ``mean_g mean_{i ∈ g} pair_losses_i`` (float32).
+    """
+    if pair_losses.shape != pair_group.shape or pair_losses.dim() != 1 or not len(pair_losses):
+        raise ValueError(f"kwise_loss needs [N] losses and [N] groups, N ≥ 1; got {tuple(pair_losses.shape)} and "
+                         f"{tuple(pair_group.shape)}")
+    _, group = torch.unique(pair_group, return_inverse=True)  # 0 … G−1
+    G = int(group.max()) + 1
+    losses = pair_losses.float()
+    sums = torch.zeros(G, dtype=losses.dtype, device=losses.device).index_add(0, group, losses)
+    counts = torch.bincount(group, minlength=G).to(losses.dtype)
+    return (sums / counts).mean()
 
 
 def count_leading_pads(ids: torch.Tensor, pad_token_id: int) -> int:
@@ -161,12 +190,12 @@ class RewardModel(nn.Module):
         positions are those the backbone gives a plain call (:data:`PLAIN_POSITIONS`: the span reads values at the
         shorter answer's padding, whose position ids differ between models), so the values are the plain pass's.
         None where that cannot be done (then :meth:`_values` runs the plain pass)."""
-        from utils.model.lean_forward import cache_parameter, output_cache, shared_lengths, split_pairs
+        from utils.model.lean_forward import cache_parameter, output_cache, shared_lengths, shares_prefix, split_pairs
         from utils.rl_math import pairwise_read_window
 
         rule = PLAIN_POSITIONS.get(getattr(self.config, "model_type", None))
-        if attention_mask is None or rule is None or not self._can_share():
-            return None
+        if attention_mask is None or rule is None or not self._can_share() or not shares_prefix(input_ids.device):
+            return None  # (on a GPU one plain pass is faster: lean_forward.shares_prefix)
         B = input_ids.shape[0] // 2
         first, stop = pairwise_read_window(input_ids[:B], input_ids[B:], self.PAD_ID, self.num_padding_at_beginning)
         shared = torch.minimum(shared_lengths(input_ids, attention_mask), first + 1)
@@ -190,13 +219,21 @@ class RewardModel(nn.Module):
         return values.index_put((split.source, shared.repeat_interleave(2) - 1), last)
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
-                head_mask=None, inputs_embeds=None, use_cache=False):
+                head_mask=None, inputs_embeds=None, use_cache=False, chosen_index=None, rejected_index=None,
+                pair_group=None):
         """Pairwise loss on ``[chosen; rejected]`` (``input_ids`` ``[2B, T]``): DeepSpeed-Chat's per-token span loss,
         or with ``loss="end"`` the end scores' (:func:`~utils.rl_math.end_score_reward_loss`). Each pair's shared
         start (the prompt) runs once (:meth:`_pair_values`) when the call is a plain one.
 
-        Returns ``{"loss": scalar, "chosen_mean_scores": [B], "rejected_mean_scores": [B]}``.
+        With ``chosen_index``/``rejected_index``/``pair_group`` (``[N]`` each, a ``--kwise`` batch): ``input_ids``
+        ``[U, T]`` are distinct texts, run once each, pair i compares rows ``chosen_index[i]`` and
+        ``rejected_index[i]`` with the same loss (span or end), and the pairs' losses are averaged per prompt
+        ``pair_group[i]``, then over prompts (:func:`kwise_loss`).
+
+        Returns ``{"loss": scalar, "chosen_mean_scores": [B], "rejected_mean_scores": [B]}`` (``[N]`` with K-wise).
         """
+        if chosen_index is not None:
+            return self._kwise_forward(input_ids, attention_mask, chosen_index, rejected_index, pair_group)
         if input_ids.shape[0] % 2:
             raise ValueError(f"RewardModel.forward needs [chosen; rejected] rows, got {input_ids.shape[0]} rows")
         plain = past_key_values is None and position_ids is None and head_mask is None and inputs_embeds is None
@@ -210,6 +247,19 @@ class RewardModel(nn.Module):
         if self.loss == "end":
             loss = end_score_reward_loss(chosen, rejected)
         return {"loss": loss, "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
+
+    def _kwise_forward(self, input_ids, attention_mask, chosen_index, rejected_index, pair_group) -> dict:
+        """:meth:`forward` on a ``--kwise`` batch: one plain pass over the U distinct texts, then each pair's loss
+        from its two rows (values at the same columns as the pairwise batch's: right padding, causal attention)."""
+        if rejected_index is None or pair_group is None:
+            raise ValueError("a K-wise batch needs chosen_index, rejected_index and pair_group together")
+        values = self._values(input_ids, attention_mask)  # [U, T]
+        losses, chosen, rejected = pairwise_reward_loss(values[chosen_index], values[rejected_index],
+                                                        input_ids[chosen_index], input_ids[rejected_index],
+                                                        self.PAD_ID, self.num_padding_at_beginning, per_pair=True)
+        if self.loss == "end":
+            losses = -F.logsigmoid(chosen.float() - rejected.float())  # end_score_reward_loss, pair by pair
+        return {"loss": kwise_loss(losses, pair_group), "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
 
     def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                       head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,

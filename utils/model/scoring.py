@@ -2,8 +2,12 @@
 
 * :func:`score_texts`: the end score (``forward_value``'s, :mod:`utils.model.reward_model`) of each
   ``prompt + answer + eot``;
-* :func:`accuracy_by_kind`: the share of pairs whose chosen answer scores higher, overall and per kind.
+* :func:`accuracy_by_kind`: the share of pairs whose chosen answer scores higher, overall and per kind;
+* :func:`score_answers`: N answers to each of P prompts scored in batches, ``[P, N]``;
+* :func:`best_of_n`: each prompt's best-scored answer (best-of-n selection by a reward model);
+* :func:`pair_accuracy_by_group`: pair accuracy per group (e.g. per constraint type), with the counts.
 """
+from __future__ import annotations
 
 
 def _template_batch(tokenizer, chat, chunk, max_seq_len: int):
@@ -55,3 +59,81 @@ def accuracy_by_kind(kinds: list, chosen_scores: list, rejected_scores: list) ->
         if kind is not None:
             groups.setdefault(kind, []).append(correct)
     return {kind: sum(v) / len(v) for kind, v in groups.items() if v}
+
+
+def score_answers(model, tokenizer, prompts: list, answers: list, max_seq_len: int, eot: str, batch_size: int = 16,
+                  device="cpu", chat=None):
+    """``[P, N]`` float32 end scores (:func:`score_texts`, in batches of ``batch_size`` texts) of ``answers[p][n]``
+    to ``prompts[p]``; N = the most answers a prompt has, a prompt with fewer is NaN-padded (which
+    :func:`best_of_n` never picks)."""
+    import torch
+
+    if len(prompts) != len(answers):
+        raise ValueError(f"score_answers: {len(prompts)} prompts but {len(answers)} answer lists")
+    flat = [(prompt, answer) for prompt, row in zip(prompts, answers) for answer in row]
+    scores = score_texts(model, tokenizer, flat, max_seq_len, eot, batch_size, device, chat) if flat else []
+    out = torch.full((len(prompts), max((len(row) for row in answers), default=0)), float("nan"))
+    at = 0
+    for p, row in enumerate(answers):
+        out[p, :len(row)] = torch.tensor(scores[at:at + len(row)], dtype=out.dtype)
+        at += len(row)
+    return out
+
+
+def best_of_n(scores):
+    """Each row's best answer: ``[P]`` long, the index of the row's largest score, the first of equal ones.
+
+    A NaN score is never chosen (a reward model that returns NaN for an answer has not ranked it; ``argmax``
+    would pick the NaN), unless the whole row is NaN: then index 0, the first answer, as if unranked. ``±inf``
+    are ordinary scores.
+
+    Args:
+        scores: ``[P, N]`` float, N ≥ 1 answers per prompt (e.g. :func:`score_answers`).
+
+    Returns:
+        ``[P]`` long indices into each row.
+    """
+    import torch
+
+    if scores.dim() != 2 or scores.shape[1] < 1:
+        raise ValueError(f"best_of_n needs [P, N ≥ 1] scores, got shape {tuple(scores.shape)}")
+    valid = ~torch.isnan(scores)  # [P, N]
+    best = scores.masked_fill(~valid, float("-inf")).max(dim=1, keepdim=True).values  # [P, 1]
+    hit = valid & (scores == best)  # NaN == x is False
+    columns = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
+    first = torch.where(hit, columns, torch.full_like(columns, scores.shape[1])).min(dim=1).values
+    return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
+
+
+def pair_accuracy_by_group(chosen_scores, rejected_scores, groups: list) -> dict:
+    """Pair accuracy (chosen scores strictly higher; a tie or a NaN counts as wrong, as step 2's eval) overall and
+    per group.
+
+    Args:
+        chosen_scores: ``[N]`` (a tensor or a list of floats).
+        rejected_scores: ``[N]``.
+        groups: N labels, each a str, or a list / tuple of str for a pair of several groups (e.g. an instruction
+            with several constraint types: the pair counts in each); None or an empty list: in no group.
+
+    Returns:
+        ``{"overall": {"pairs": n, "correct": k, "accuracy": k / n}, "groups": {label: {...}, ...}}``, the
+        labels sorted; an empty input gives accuracy NaN overall.
+    """
+    chosen, rejected = [float(x) for x in chosen_scores], [float(x) for x in rejected_scores]
+    if not len(chosen) == len(rejected) == len(groups):
+        raise ValueError(f"pair_accuracy_by_group: {len(chosen)} chosen, {len(rejected)} rejected scores, "
+                         f"{len(groups)} groups")
+    counts = {}  # label -> [pairs, correct]
+    total = [0, 0]
+    for c, r, labels in zip(chosen, rejected, groups):
+        correct = int(c > r)
+        total[0], total[1] = total[0] + 1, total[1] + correct
+        labels = [labels] if isinstance(labels, str) else list(labels or ())
+        for label in dict.fromkeys(labels):  # a label named twice counts once
+            entry = counts.setdefault(label, [0, 0])
+            entry[0], entry[1] = entry[0] + 1, entry[1] + correct
+
+    def record(n, k):
+        return {"pairs": n, "correct": k, "accuracy": k / n if n else float("nan")}
+
+    return {"overall": record(*total), "groups": {label: record(*counts[label]) for label in sorted(counts)}}

@@ -1,0 +1,359 @@
+"""The real-model bench's reward-model and PPO rows (bench/bench_real_rl.py: ``rm``, ``ppo_fn``, ``ppo``) and its
+reworded held-out set (bench/ifeval_data.py): the held-out instructions never reach the comparison collector, the
+reworded wordings appear in no training row, each row's command lines carry the right flags, the reward model's
+measures by hand, and the whole path (collect → step 2 → step 3 PPO) on the tiny model."""
+import importlib
+import importlib.util
+import json
+import os
+import re
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from bench import ifeval_data as builder
+from tests.conftest import run_entry, shared_data
+from utils.ifeval import check, describe, instructions_of
+
+REPO = Path(__file__).resolve().parent.parent
+OMP = {"OMP_NUM_THREADS": "1"}
+
+
+def load_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # as `python bench/bench_real_rl.py` has it: its reward beside it
+    spec = importlib.util.spec_from_file_location("bench_real_rl", REPO / "bench" / "bench_real_rl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def options(bench, **changes):
+    """The bench's defaults (its own parser), with ``changes``."""
+    return Namespace(**dict(vars(bench.build_parser().parse_args([])), **changes))
+
+
+def tiny_ifeval(tmp_path, n=40, heldout=10) -> dict:
+    """The builder's four files from a tiny alpaca-like list of ``n`` instructions, ``heldout`` held out."""
+    rows = [{"instruction": f"Describe the colour number {i} of the rainbow in detail", "input": "",
+             "output": f"Colour {i} glows warmly, shimmering against quiet evening skies after rain."}
+            for i in range(n)]
+    files = builder.build(rows, seed=5, heldout=heldout, types=builder.TYPES)
+    out = tmp_path / "ifeval"
+    out.mkdir()
+    for name, part in files.items():
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    return {"dir": str(out), "train": str(out / "train.jsonl"), **{name: part for name, part in files.items()}}
+
+
+# --------------------------------------------------------------------------- the held-out prompts stay out
+
+def test_the_heldout_prompts_never_reach_the_comparison_collector(tmp_path, monkeypatch):
+    """The ``rm`` row's collector answers prompts of train.jsonl only: what it would answer (its own data reading,
+    on the bench's command line) holds no instruction of heldout.jsonl or heldout_reworded.jsonl, and its eval
+    prompts (the pair accuracy's) are instructions none of its training prompts are."""
+    from step2_reward_model_finetuning import collect_comparisons
+
+    monkeypatch.chdir(REPO)  # the steps run from the repository's root (the label function's path)
+    bench = load_bench(monkeypatch)
+    data = tiny_ifeval(tmp_path)
+    opts = options(bench, model="tiny-llama", rm_eval_prompts=6, seed=3)
+    paths = bench.rm_paths(str(tmp_path / "work"))
+    bench.write_rm_prompts(data, paths["prompts"], opts)
+    collect, step2 = bench.rm_commands("tiny-llama", paths, opts)
+    assert collect[0] == "step2_reward_model_finetuning/collect_comparisons.py"
+    args = collect_comparisons.parse_args(collect[1:])
+    assert args.data_path == [paths["prompts"]] and args.label_fn == bench.GUARDED
+    answered = collect_comparisons.check_data(args)  # {"train": [(prompt, row)], "eval": [...]}: what it answers
+    held = {r["instruction"] for r in data["heldout.jsonl"] + data["heldout_reworded.jsonl"]}
+    held_prompts = {r["prompt"] for r in data["heldout.jsonl"] + data["heldout_reworded.jsonl"]}
+    assert len(held) == 10 and len(held_prompts) == 20
+    seen = {split: [row["instruction"] for _, row in rows] for split, rows in answered.items()}
+    assert len(seen["train"]) == 24 and len(seen["eval"]) == 6  # 30 training instructions: 6 kept for the eval
+    assert not held & set(seen["train"] + seen["eval"])
+    for prompt, _ in answered["train"] + answered["eval"]:
+        assert not any(instruction in prompt for instruction in held), prompt
+    assert not set(seen["train"]) & set(seen["eval"])
+    assert set(seen["train"] + seen["eval"]) == {r["instruction"] for r in data["train.jsonl"]}
+    # the split is the seed's, not the file's order, and the same every time
+    again = bench.rm_prompt_rows(data["train.jsonl"], 6, 3)
+    assert {r["instruction"] for r in again[1]} == set(seen["eval"])
+    assert {r["instruction"] for r in bench.rm_prompt_rows(data["train.jsonl"], 6, 4)[1]} != set(seen["eval"])
+
+
+# --------------------------------------------------------------------------- the reworded set
+
+def test_every_type_has_three_other_wordings_that_ask_for_what_its_checker_checks():
+    for instruction_id in builder.DRAWS:
+        choices = builder.REWORDINGS[instruction_id]
+        for options in (choices.values() if isinstance(choices, dict) else [choices]):
+            assert len(options) >= 3 and len(set(options)) == len(options), instruction_id
+    # the kwargs fill in as IFEval's text does: lists quoted, numbers and relations in place
+    kwargs = {"forbidden_words": ["flour", "eggs"]}
+    assert builder.reword("keywords:forbidden_words", kwargs, 0) == 'Never use the words "flour" and "eggs" in your ' \
+                                                                    "answer."
+    assert builder.reword("length_constraints:number_words", {"relation": "less than", "num_words": 30}, 0) == \
+        "Keep your reply under 30 words."
+    assert builder.reword("length_constraints:number_words", {"relation": "at least", "num_words": 30}, 0) == \
+        "Write 30 words or more."
+
+
+def test_the_reworded_set_is_the_heldout_set_in_wordings_no_training_row_uses():
+    """On the bench's own data (the shared alpaca demo, its seed and types): the reworded rows are the held-out rows
+    with other prompts (ids, kwargs, instruction and reference unchanged, so the checker checks the same), every
+    wording of a type is used, and no wording's own text (nor any reworded constraint) occurs in a training row's
+    prompt; a forbidden word never appears in the prompt outside the list that forbids it."""
+    rows = builder.read_alpaca(str(shared_data("llama-factory-demo", "alpaca_en_demo.json")))
+    types = ("punctuation:no_comma", "startend:end_checker", "keywords:existence", "keywords:forbidden_words",
+             "length_constraints:number_words", "detectable_format:number_bullet_lists",
+             "detectable_content:postscript", "detectable_format:title",
+             "detectable_format:number_highlighted_sections")  # bench_real_rl.TYPES
+    files = builder.build(rows, seed=1234, heldout=220, types=types)
+    train, held, reworded = files["train.jsonl"], files["heldout.jsonl"], files["heldout_reworded.jsonl"]
+    assert len(reworded) == len(held) == 220
+    training_text = "\n".join(r["prompt"] for r in train)
+    used = {}
+    for template_row, row in zip(held, reworded):
+        unchanged = [k for k in template_row if k != "prompt"]
+        assert set(row) == set(template_row) and all(row[k] == template_row[k] for k in unchanged)
+        assert row["prompt"] != template_row["prompt"] and row["prompt"].startswith(
+            builder.with_period(row["instruction"]))
+        for instruction_id, kwargs in instructions_of(row):
+            texts = [builder.reword(instruction_id, kwargs, w) for w in range(3)]
+            found = [w for w, text in enumerate(texts) if text in row["prompt"]]
+            assert len(found) == 1 and describe(instruction_id, kwargs) not in row["prompt"], row["prompt"]
+            used.setdefault(instruction_id, set()).update(found)
+            assert texts[found[0]] not in training_text
+            if instruction_id == "keywords:forbidden_words":  # the rest of the prompt keeps the ban
+                assert check(instruction_id, kwargs, row["prompt"].replace(texts[found[0]], "")), row["prompt"]
+    assert used == {t: {0, 1, 2} for t in types}  # every wording of every type is asked
+    for instruction_id in types:  # and no wording's own words, three or more in a row, are in any training prompt
+        choices = builder.REWORDINGS[instruction_id]
+        for text in (sum(choices.values(), ()) if isinstance(choices, dict) else choices):
+            for chunk in re.split(r"\{\w+\}", text):
+                words = chunk.split()
+                for i in range(len(words) - 2):
+                    assert " ".join(words[i:i + 3]) not in training_text, (instruction_id, words[i:i + 3])
+
+
+# --------------------------------------------------------------------------- the rows' command lines
+
+def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
+    """``ppo_fn``: step 3 PPO with a critic from the ``rm`` row's reward model, scored by the checker, with every
+    other flag the GRPO row's (seed, budget, sampling, precision); ``ppo``: the same against the reward model alone;
+    ``--ppo_args`` last, overriding; ``rm``: the collector (8 answers a prompt, the checker as labeller, its
+    prompts folder, every eval prompt) and step 2 with the knobs the issue lists."""
+    from step2_reward_model_finetuning import collect_comparisons
+    from step2_reward_model_finetuning.main import parse_args as step2_args
+    from step3_rlhf_finetuning.main import parse_args as step3_args
+    from step3_rlhf_finetuning.main import validate_step3
+    from utils.arguments import validate_common
+
+    monkeypatch.chdir(REPO)
+    bench = load_bench(monkeypatch)
+    opts = options(bench, seed=7, steps=30, eval_every=10, prompts=4, group=8, dtype="bf16", autocast=True,
+                   generation_dtype="bf16")
+    data, reward = {"train": "train.jsonl"}, str(tmp_path / "rm" / "reward")
+    grpo = step3_args(bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)[1:])
+    ppo_fn = step3_args(bench.ppo_command("model", data, str(tmp_path / "ppo_fn"), reward, opts,
+                                          reward_fn=bench.GUARDED)[1:])
+    ppo = step3_args(bench.ppo_command("model", data, str(tmp_path / "ppo"), reward, opts)[1:])
+    for args in (ppo_fn, ppo):
+        validate_step3(args)
+        assert (args.advantage_estimator, args.critic_model_name_or_path) == ("gae", reward)
+        assert (args.num_padding_at_beginning, args.critic_learning_rate) == (0, 5e-6)
+    assert (grpo.advantage_estimator, grpo.reward_fn, ppo_fn.reward_fn, ppo.reward_fn) == \
+        ("grpo", bench.GUARDED, bench.GUARDED, None)
+    differs = {"advantage_estimator", "loss_agg", "reward_fn", "critic_model_name_or_path", "output_dir",
+               "data_output_path", "num_padding_at_beginning", "critic_learning_rate"}  # the critic's, and the paths'
+    assert grpo.loss_agg == "token_mean" and ppo.loss_agg != "token_mean"  # PPO keeps DeepSpeed-Chat's loss
+    same = {k for k in vars(grpo) if k not in differs}
+    assert {k: getattr(ppo_fn, k) for k in same} == {k: getattr(grpo, k) for k in same}  # the GRPO row's budget
+    assert {k: getattr(ppo, k) for k in same} == {k: getattr(grpo, k) for k in same}
+    assert (ppo.seed, ppo.max_steps, ppo.save_interval, ppo.n_samples_per_prompt, ppo.torch_autocast) == \
+        (7, 30, 10, 8, True)
+    tuned = bench.ppo_command("model", data, "out", reward, options(bench, ppo_args="--lam 0.9 --kl_ctl 0.1"))
+    assert (step3_args(tuned[1:]).lam, step3_args(tuned[1:]).kl_ctl) == (0.9, 0.1)
+
+    opts = options(bench, seed=7, rm_model="other", rm_lr=1e-5, rm_epochs=2, rm_steps=50, rm_kwise=True,
+                   num_padding_at_beginning=1, rm_prompts=100)
+    paths = bench.rm_paths(str(tmp_path / "w"))
+    collect, step2 = bench.rm_commands("model", paths, opts)
+    c = collect_comparisons.parse_args(collect[1:])
+    assert (c.actor_model_name_or_path, c.label_fn, c.num_answers, c.temperature) == ("model", bench.GUARDED, 8, 1.0)
+    assert (c.data_path, c.data_split, c.max_prompts, c.max_eval_prompts) == ([paths["prompts"]], "0,1,0", 100, 0)
+    assert c.apply_chat_template and c.seed == 7 and c.output_dir == paths["comparisons"]
+    s = step2_args(step2[1:])
+    validate_common(s)
+    assert (s.model_name_or_path, s.data_path, s.data_split) == ("other", [paths["comparisons"]], "0,1,0")
+    assert (s.learning_rate, s.num_train_epochs, s.max_steps, s.num_padding_at_beginning) == (1e-5, 2, 50, 1)
+    assert (s.kwise, s.reward_loss, s.eval_iters, s.output_dir) == (True, "end", 0, paths["reward"])
+    assert bench.step2_has_kwise()  # this checkout's step 2 takes it
+    assert not step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).kwise
+    assert step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).model_name_or_path == "model"
+
+
+def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
+    from utils.errors import UserInputError
+
+    bench = load_bench(monkeypatch)
+    with pytest.raises(UserInputError, match="give grpo, trl, ppo_fn, rm or ppo"):
+        bench.main(["--rows", "ppo,rw"])
+    with pytest.raises(UserInputError, match="--rm_answers ≥ 2"):
+        bench.main(["--rows", "rm", "--rm_answers", "1"])
+
+
+# --------------------------------------------------------------------------- the reward model's measures, by hand
+
+def test_the_reward_models_measures_by_hand(tmp_path, monkeypatch):
+    """Pair accuracy per type from the collector's pairs (a pair of a two-constraint prompt counts for both types),
+    the lines the table prints, step 2's eval curve and step 3's reward from their metrics.jsonl, the best point."""
+    from utils.model.scoring import pair_accuracy_by_group
+
+    bench = load_bench(monkeypatch)
+    kinds = [["punctuation:no_comma", "detectable_format:title"], ["punctuation:no_comma"], ["detectable_format:title"],
+             None]
+    chosen, rejected = [1.0, 0.2, 0.5, 3.0], [0.0, 0.7, 0.5, 1.0]  # right, wrong, a tie (wrong), right
+    acc = pair_accuracy_by_group(chosen, rejected, kinds)
+    result = {"pair_accuracy": acc, "step2_curve": {"0": 0.5, "20": 0.625, "40": 0.75}}
+    assert bench.rm_lines(result) == [
+        "reward model: pair accuracy 0.500 on 4 eval pairs (instructions none of its training pairs came from); "
+        "step 2's eval accuracy by step: 0.50 → 0.62 → 0.75",
+        "per type: title 0.50 (2), no_comma 0.50 (2)"]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "phase": "eval", "acc": 0.5}, {"step": 1, "phase": "train", "reward": -0.25},
+        {"step": 2, "phase": "train", "reward": 0.5}, {"step": 2, "phase": "eval", "acc": 0.75}]))
+    assert bench.metrics_curve(str(metrics), "train", "reward") == {"1": -0.25, "2": 0.5}
+    assert bench.metrics_curve(str(metrics), "eval", "acc") == {"0": 0.5, "2": 0.75}
+    assert bench.metrics_curve(str(tmp_path / "absent.jsonl"), "train", "reward") == {}
+    point = {"f1": 0.2, "length": 50.0, "bare": 0.0}
+    curve = {"0": dict(point, strict=0.9), "10": dict(point, strict=0.45), "20": dict(point, strict=0.5),
+             "30": dict(point, strict=0.5)}
+    assert bench.best_point(curve) == {"step": 20, "strict": 0.5}  # after step 0; the first of equals
+    assert bench.best_point({"0": curve["0"]}) == {}
+    png = tmp_path / "proxy.png"
+    bench.proxy_plot({"1": -0.25, "2": 0.5}, {"0": 0.4, "2": 0.45}, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypatch):
+    bench = load_bench(monkeypatch)
+    per_type = {"punctuation:no_comma": 0.5}
+
+    def evaluation(strict, reworded, **more):
+        return {"strict": strict, "per_type": per_type, "type_counts": {"punctuation:no_comma": 4}, "f1": 0.25,
+                "length": 60.0, "bare": 0.0, "reworded": {"strict": reworded, "per_type": {"punctuation:no_comma":
+                                                                                           0.25}}, **more}
+
+    acc = {"overall": {"pairs": 500, "correct": 400, "accuracy": 0.8},
+           "groups": {"punctuation:no_comma": {"pairs": 500, "correct": 400, "accuracy": 0.8}}}
+    results = {"base": evaluation(0.4, 0.3, plain_f1=0.3, kl=0.0, gsm8k=0.03),
+               "rm": evaluation(0.55, 0.42, best_of=8, kl_bound=1.2, pair_accuracy=acc, step2_curve={"0": 0.5}),
+               "ppo": evaluation(0.5, 0.35, plain_f1=0.3, kl=2.0, gsm8k=0.02,
+                                 best={"step": 20, "strict": 0.52, "checkpoint": "w/ppo/checkpoints/step-20"}),
+               "wall": {"rm": 600.0, "ppo": 1200.0}}  # the whole path: step 3 + the reward model's collect + step 2
+    text = bench.table(results)
+    assert "| 2.00 | 2.0 % | 20 + rm 10 min |" in text
+    assert "| SmolLM2-135M-Instruct | 0.400 / 0.300 | 0.250 / 0.300 | 60.0 | 0.0 % | 0.00 | 3.0 % | — |" in text
+    assert ("| + reward model's best of n (no RL) | 0.550 / 0.420 | 0.250 / — | 60.0 | 0.0 % | ≤ 1.20 | — | 10 min |"
+            in text)
+    assert "| `no_comma` (4) | 0.50 / 0.25 | 0.50 / 0.25 | 0.50 / 0.25 |" in text
+    assert "reward model: pair accuracy 0.800 on 500 eval pairs" in text and "no_comma 0.80 (500)" in text
+    assert "ppo: best held-out point step 20 (strict 0.520): w/ppo/checkpoints/step-20" in text
+
+
+# --------------------------------------------------------------------------- pairs and best of n on the tiny model
+
+def test_comparisons_carry_their_prompts_constraint_types(monkeypatch):
+    """collect_comparisons.py keeps an IFEval row's instruction_id_list on each of its pairs (per-type accuracy);
+    rows without one give the pairs as before."""
+    from step2_reward_model_finetuning import collect_comparisons
+    import utils.answers
+
+    monkeypatch.setattr(utils.answers, "generate_answers", lambda model, tok, prompts, *a, per_prompt=1, **k:
+                        [f"answer {i}" for i in range(len(prompts) * per_prompt)])
+    args = Namespace(num_answers=3, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4, seed=1, batch_size=2,
+                     apply_chat_template=False, label_fn="f")
+    rows = [(" Human: a Assistant:", {"instruction_id_list": ["punctuation:no_comma"]}), (" Human: b Assistant:", {})]
+    pairs, counts, _ = collect_comparisons.collect(None, None, lambda p, a, r: [float(x[-1]) for x in a], args, rows,
+                                                   "eval")
+    assert counts == [3, 3] and [p.get("instruction_id_list") for p in pairs] == [["punctuation:no_comma"]] * 3 + [
+        None] * 3
+
+
+def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatch):
+    """The ``rm`` row's pick, on the tiny model and an untrained tiny reward model in its chat template: each
+    prompt's answer is the one of its N samples the reward model scores highest (as scored apart here)."""
+    import torch
+
+    from utils.data.chat_template import chat_format
+    from utils.model.critic import create_critic_model, load_reward_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.scoring import score_texts
+    from utils.model.tiny import resolve_model_path
+
+    bench = load_bench(monkeypatch)
+    model = resolve_model_path("tiny-llama")
+    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
+    torch.manual_seed(0)
+    save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
+    reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
+    actor, actor_tokenizer, fmt = bench.load(model)
+    opts = Namespace(best_of=4, answer_len=6, seed=3, rm_max_seq_len=128)
+    prompts = ["Describe the lamp.", "Name a river. Do not use commas."]
+    best, scores = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer, prompts, opts)
+    assert scores.shape == (2, 4) and len(best) == 2
+    from utils.answers import generate_answers
+
+    sampled = generate_answers(actor, actor_tokenizer, [f" Human: {p} Assistant:" for p in prompts], 6,
+                               {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, per_prompt=4, seed=3, batch_size=8,
+                               chat=fmt)
+    apart = score_texts(reward_model, reward_tokenizer, [(f" Human: {prompts[i // 4]} Assistant:", " " + a)
+                                                         for i, a in enumerate(sampled)], 128, "",
+                        chat=chat_format(reward_tokenizer))
+    for p in range(2):
+        row = apart[4 * p:4 * p + 4]
+        assert best[p] == sampled[4 * p + row.index(max(row))]
+        assert scores[p].tolist() == pytest.approx(row, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- the whole path on the tiny model
+
+@pytest.mark.smoke
+@pytest.mark.slow
+def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch):
+    """The ``ppo`` row's commands on the tiny model and tiny IFEval-style data: the model's own answers to the
+    training prompts ranked by the checker → step 2 → step 3 PPO against that reward model alone, with a
+    checkpoint the bench finds and the reward curve its proxy plot reads; no held-out instruction in any
+    comparison, and the eval pairs carry their constraint types."""
+    from utils.model.tiny import resolve_model_path
+
+    monkeypatch.chdir(REPO)
+    bench = load_bench(monkeypatch)
+    model = resolve_model_path("tiny-llama")
+    data = tiny_ifeval(tmp_path, n=24, heldout=6)
+    opts = options(bench, model=model, rm_eval_prompts=4, rm_answers=3, answer_len=8, rm_steps=2, rm_batch=4,
+                   rm_eval_interval=1, steps=2, eval_every=1, prompts=2, group=2, lr=1e-4)
+    paths = bench.rm_paths(str(tmp_path / "work"))
+    bench.write_rm_prompts(data, paths["prompts"], opts)
+    collect, step2 = bench.rm_commands(model, paths, opts)
+    for cmd in (collect, step2):
+        proc = run_entry(*cmd, env=OMP, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pairs = {split: [json.loads(line) for line in open(os.path.join(paths["comparisons"], f"{split}.jsonl"))]
+             for split in ("train", "eval")}
+    held = {r["instruction"] for r in data["heldout.jsonl"]}
+    assert pairs["train"] and pairs["eval"]
+    assert not any(h in p["prompt"] for h in held for split in pairs.values() for p in split)
+    train_types = {r["prompt"]: r["instruction_id_list"] for r in data["train.jsonl"]}
+    assert all(p["instruction_id_list"] == train_types[p["prompt"].split("Human: ", 1)[1].rsplit(" Assistant:", 1)[0]]
+               for p in pairs["eval"])
+    out = tmp_path / "work" / "ppo"
+    ppo = bench.ppo_command(model, {"train": data["train"]}, str(out), paths["reward"], opts)
+    proc = run_entry(*ppo, env=OMP, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "actor").is_dir() and (out / "critic").is_dir()
+    assert sorted(bench.checkpoint_weights(str(out))) == [1, 2]
+    assert sorted(bench.metrics_curve(str(out / "metrics.jsonl"), "train", "reward"), key=int) == ["1", "2"]
+    assert bench.metrics_curve(os.path.join(paths["reward"], "metrics.jsonl"), "eval", "acc")
