@@ -9,11 +9,18 @@ parse → prompts of the ``--phase`` share (the reward model's, 2, by default) o
 the actor samples ``--num_answers`` answers per prompt → ``--label_fn`` scores them (the human
 labeller: a built-in name or ``path/to/file.py:function``, as step 3's ``--reward_fn``) → every pair of
 differently scored answers, better first (:mod:`utils.data.comparisons`) → ``train.jsonl`` and
-``eval.jsonl`` (from the dataset's train and eval splits; no eval file when the eval prompts gave no pair)
-and ``comparisons.json`` (counts, settings)
+``eval.jsonl`` (from the dataset's train and eval splits; no eval file when the eval prompts gave no pair),
+``answers.jsonl`` (each prompt's row, its answers and their scores) and ``comparisons.json`` (counts, settings)
 in ``--output_dir``, written atomically: a failed run leaves the folder as it was (none, if it made it). The
 folder is the run's :class:`~utils.run_folder.RunFolder`: locked, and ``--overwrite`` replaces exactly what an
 earlier collection wrote (an old ``eval.jsonl`` included), nothing else.
+
+Sampling is the collection's cost; labelling is cheap. ``--from_answers DIR`` labels the answers an earlier
+collection kept in ``DIR/answers.jsonl`` with another ``--label_fn`` (or ``--min_gap``) and writes their pairs,
+no actor loaded::
+
+    python step2_reward_model_finetuning/collect_comparisons.py --from_answers out/comparisons \
+        --label_fn my_labels.py:label --min_gap 0.1 --output_dir out/comparisons-relabelled
 """
 if __name__ == "__main__":  # Ctrl-C from the first second on: one line, exit 130 (utils/interrupt.py)
     from utils.interrupt import exit_quietly_on_ctrl_c
@@ -38,7 +45,11 @@ from utils.reward_functions import BUILTIN, call_reward_fn, check_rows, load_rew
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
-    p.add_argument("--actor_model_name_or_path", required=True, help="The step-1 actor (or any causal LM).")
+    p.add_argument("--actor_model_name_or_path", help="The step-1 actor (or any causal LM); not with --from_answers.")
+    p.add_argument("--from_answers", default=None, metavar="DIR",
+                   help="Label the answers an earlier collection kept (DIR/answers.jsonl) instead of sampling new "
+                        "ones: another --label_fn or --min_gap without the sampling's cost (the data and sampling "
+                        "flags are then the earlier run's).")
     p.add_argument("--data_path", nargs="+", default=["builtin/demonstrations"],
                    help="Datasets whose prompts are answered (the forms every step takes).")
     p.add_argument("--data_split", default="2,4,4", help="Phase shares, as the steps' flag.")
@@ -49,6 +60,9 @@ def parse_args(argv=None):
                    help=f"Scores the answers: built in {', '.join(BUILTIN)}, or path/to/file.py:function (called with "
                         "the prompts, the answers and the dataset rows; returns one float per answer).")
     p.add_argument("--num_answers", type=int, default=4, help="Answers sampled per prompt (K): up to K·(K−1)/2 pairs.")
+    p.add_argument("--min_gap", type=float, default=0.0,
+                   help="Two answers whose scores differ by less than this are a tie and give no pair (0: only equal "
+                        "scores tie). A labeller's small differences are often noise the reward model cannot learn.")
     p.add_argument("--max_prompts", type=int, default=0, help="Prompts of the train split to answer (0 = all).")
     p.add_argument("--max_eval_prompts", type=int, default=0, help="Prompts of the eval split to answer (0 = all).")
     p.add_argument("--max_new_tokens", type=int, default=32, help="Tokens generated per answer (at most).")
@@ -67,10 +81,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-OUTPUTS = ("train.jsonl", "eval.jsonl", "comparisons.json")
+OUTPUTS = ("train.jsonl", "eval.jsonl", "answers.jsonl", "comparisons.json")
+ANSWERS = "answers.jsonl"  # a line a prompt: {"split", "prompt", "row", "answers", "scores"}
 
 
 def validate(args) -> None:
+    if (args.actor_model_name_or_path is None) == (args.from_answers is None):
+        raise UserInputError("give --actor_model_name_or_path (sample answers and label them) or --from_answers DIR "
+                             "(label the answers an earlier collection kept), one of the two")
+    if not (math.isfinite(args.min_gap) and args.min_gap >= 0):
+        raise UserInputError(f"--min_gap must be a number ≥ 0, got {args.min_gap}")
+    if args.from_answers is not None and not os.path.isfile(os.path.join(args.from_answers, ANSWERS)):
+        raise UserInputError(f"--from_answers {args.from_answers}: no {ANSWERS} there (a collection keeps its answers "
+                             "in it; one made before it did must be collected again)")
+    if args.from_answers is not None and os.path.realpath(args.from_answers) == os.path.realpath(args.output_dir):
+        raise UserInputError(f"--from_answers {args.from_answers} is the --output_dir: write the relabelled pairs to "
+                             "another folder (the answers are read from this one)")
     for name in ("num_answers", "max_new_tokens", "batch_size"):
         if getattr(args, name) < (2 if name == "num_answers" else 1):
             raise UserInputError(f"--{name} must be ≥ {2 if name == 'num_answers' else 1}, got {getattr(args, name)}")
@@ -85,8 +111,9 @@ def validate(args) -> None:
                              "--overwrite to replace them, or give another --output_dir")
 
 
-def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) -> tuple:
-    """(pairs, pairs per prompt, scores) for one split's ``(prompt, row)`` list."""
+def sample(model, tokenizer, args, prompts_rows: list, split: str) -> list:
+    """``[P][K]``: ``--num_answers`` answers the actor samples for each prompt of one split's ``(prompt, row)``
+    list (the eval split's seed is the train split's + 1)."""
     from tqdm import tqdm
 
     from utils.data.chat_template import chat_format
@@ -99,16 +126,51 @@ def collect(model, tokenizer, label_fn, args, prompts_rows: list, split: str) ->
         answers = generate_answers(model, tokenizer, prompts, args.max_new_tokens, sampling, per_prompt=K,
                                    seed=args.seed + (split == "eval"), batch_size=args.batch_size,
                                    progress=bar.update, chat=chat_format(tokenizer) if args.apply_chat_template else None)
-    repeated = [p for p in prompts for _ in range(K)]
-    rows = [r for _, r in prompts_rows for _ in range(K)]
-    scores = call_reward_fn(label_fn, args.label_fn, repeated, answers, rows, flag="--label_fn")
-    pairs, counts = [], []
-    for i, prompt in enumerate(prompts):
-        found = ranked_pairs(prompt, answers[i * K:(i + 1) * K], scores[i * K:(i + 1) * K])
-        kinds = prompts_rows[i][1].get("instruction_id_list")  # IFEval rows: a pair's constraint types, for a
-        pairs += [dict(pair, instruction_id_list=kinds) for pair in found] if kinds else found  # per-type accuracy
+    return [answers[i * K:(i + 1) * K] for i in range(len(prompts))]
+
+
+def label(label_fn, args, prompts_rows: list, answers: list, split: str) -> tuple:
+    """``(pairs, pairs per prompt, scores, kept)`` for one split: ``answers`` ``[P][K]`` (K may differ per prompt)
+    scored by ``--label_fn`` in one call, every pair of answers whose scores differ by at least ``--min_gap`` (ties
+    left out), and ``kept``, each prompt's line of ``answers.jsonl``."""
+    prompts = [p for (p, _), group in zip(prompts_rows, answers) for _ in group]
+    rows = [r for (_, r), group in zip(prompts_rows, answers) for _ in group]
+    flat = [a for group in answers for a in group]
+    scores = call_reward_fn(label_fn, args.label_fn, prompts, flat, rows, flag="--label_fn") if flat else []
+    pairs, counts, kept, start = [], [], [], 0
+    for (prompt, row), group in zip(prompts_rows, answers):
+        own = [float(x) for x in scores[start:start + len(group)]]
+        start += len(group)
+        found = ranked_pairs(prompt, group, own, min_gap=args.min_gap)
+        kinds = row.get("instruction_id_list")  # IFEval rows: a pair's constraint types, for a per-type accuracy
+        pairs += [dict(pair, instruction_id_list=kinds) for pair in found] if kinds else found
         counts.append(len(found))
-    return pairs, counts, scores
+        kept.append({"split": split, "prompt": prompt, "row": row, "answers": list(group), "scores": own})
+    return pairs, counts, scores, kept
+
+
+def earlier_settings(folder: str) -> dict:
+    """The ``settings`` of the collection that wrote ``folder`` (its ``comparisons.json``), ``{}`` without one."""
+    try:
+        with open(os.path.join(folder, "comparisons.json")) as f:
+            return json.load(f).get("settings", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def earlier_answers(folder: str) -> dict:
+    """``{"train": [line], "eval": [line]}``: the ``answers.jsonl`` lines an earlier collection kept in ``folder``."""
+    found = {"train": [], "eval": []}
+    with open(os.path.join(folder, ANSWERS)) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                found[record["split"]].append(record)
+                assert isinstance(record["answers"], list) and isinstance(record["prompt"], str)
+            except (ValueError, KeyError, AssertionError, TypeError):
+                raise UserInputError(f"--from_answers {folder}: line {n} of {ANSWERS} is not a line a collection "
+                                     "writes ({\"split\": \"train\" or \"eval\", \"prompt\", \"row\", \"answers\"})") from None
+    return found
 
 
 def check_answers_fit(args, prompts: list) -> None:
@@ -134,7 +196,11 @@ def check_data(args) -> dict:
     train.py runs it before step 1."""
     from utils.data.data_utils import phase_prompts
 
-    data = phase_prompts(args.data_path, args.data_split, args.data_output_path, args.phase, args.seed)
+    if args.from_answers is not None:
+        data = {split: [(r["prompt"], r.get("row") or {}) for r in lines]
+                for split, lines in earlier_answers(args.from_answers).items()}
+    else:
+        data = phase_prompts(args.data_path, args.data_split, args.data_output_path, args.phase, args.seed)
     limits = {"train": args.max_prompts, "eval": args.max_eval_prompts}
     data = {split: rows[:limits[split]] if limits[split] else rows for split, rows in data.items()}
     if not data["train"]:
@@ -148,43 +214,54 @@ def check_data(args) -> dict:
 def main(args):
     # ---- fail fast: flags, the actor, the output folder, the labelling function and the data
     validate(args)
-    check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
+    if args.from_answers is None:
+        check_causal_lm_path("--actor_model_name_or_path", args.actor_model_name_or_path)
     check_output_dir_writable(args.output_dir)
     label_fn = load_reward_fn(args.label_fn, flag="--label_fn")
     data = check_data(args)
-    check_answers_fit(args, [p for rows in data.values() for p, _ in rows])
+    if args.from_answers is None:
+        check_answers_fit(args, [p for rows in data.values() for p, _ in rows])
     folder = RunFolder(args.output_dir).claim(args.overwrite)  # last: nothing is moved when a check fails
     with folder:
         return run(args, folder, data, label_fn)
 
 
 def run(args, folder, data: dict, label_fn) -> dict:
-    """Answer ``data``'s prompts with the actor, label and pair the answers, write them into ``folder``."""
-    # ---- the actor
-    import torch
+    """Answer ``data``'s prompts with the actor (or take an earlier collection's answers), label and pair the
+    answers, write them into ``folder``."""
+    start, written, kept, report = time.time(), {}, [], {}
+    settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
+                                              "label_fn", "num_answers", "min_gap", "temperature", "top_k", "top_p",
+                                              "seed")}
+    if args.from_answers is not None:  # the answers (and how they were sampled) are the earlier run's
+        earlier = earlier_answers(args.from_answers)
+        answers = {split: [r["answers"] for r in earlier[split][:len(rows)]] for split, rows in data.items()}
+        sampled = earlier_settings(args.from_answers)
+        settings.update({k: sampled.get(k) for k in settings if k not in ("label_fn", "min_gap")},
+                        from_answers=args.from_answers)
+    else:  # ---- the actor samples
+        import torch
 
-    from utils.answers import load_for_answers
-    from utils.model.model_utils import resolve_model_name_or_path
+        from utils.answers import load_for_answers
+        from utils.model.model_utils import resolve_model_name_or_path
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device,
-                                        apply_chat_template=args.apply_chat_template,
-                                        trust_remote_code=args.trust_remote_code)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device,
+                                            apply_chat_template=args.apply_chat_template,
+                                            trust_remote_code=args.trust_remote_code)
+        answers = {split: sample(model, tokenizer, args, rows, split) if rows else [] for split, rows in data.items()}
 
-    # ---- answer, label, pair; then write everything at once
-    start, written, report = time.time(), {}, {}
+    # ---- label, pair; then write everything at once
     for split, rows in data.items():
-        pairs, counts, scores = collect(model, tokenizer, label_fn, args, rows, split) if rows else ([], [], [])
-        written[split] = pairs
+        pairs, counts, scores, lines = label(label_fn, args, rows, answers[split], split)
+        written[split], kept = pairs, kept + lines
         report[split] = summarize(counts, len(scores), scores)
-        print(f"{split}: {report[split]['prompts']} prompts x {args.num_answers} answers -> "
+        print(f"{split}: {report[split]['prompts']} prompts, {report[split]['answers']} answers -> "
               f"{report[split]['pairs']} pairs ({report[split]['prompts_without_pairs']} prompts all tied); mean "
               f"{args.label_fn} score {report[split]['mean_score']:.3f}", flush=True)
     if not written["train"]:
         raise UserInputError(f"--label_fn {args.label_fn} gave every answer of every prompt the same score: no pair "
                              "to train on")
-    settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
-                                              "label_fn", "num_answers", "temperature", "top_k", "top_p", "seed")}
     if not written["eval"]:
         print("no eval pairs (every eval prompt's answers tied, or none asked for): eval.jsonl is left out, so step 2 "
               "splits the train pairs 9:1 for its evaluation", flush=True)
@@ -196,6 +273,8 @@ def run(args, folder, data: dict, label_fn) -> dict:
                     continue
                 with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
                     f.writelines(json.dumps(pair) + "\n" for pair in pairs)
+            with open(os.path.join(tmp, ANSWERS), "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in kept)
             with open(os.path.join(tmp, "comparisons.json"), "w") as f:
                 json.dump({"settings": settings, **report, "seconds": time.time() - start}, f, indent=1)
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.conftest import run_entry
+from utils.errors import UserInputError
 from utils.data.builtin import quality
 from utils.data.comparisons import ranked_pairs
 from utils.data.rule_score import asked_object
@@ -24,6 +25,8 @@ def test_ranked_pairs_by_hand():
     assert ranked_pairs("P", ["x", "y"], [2, 2]) == []  # all tied: no pair
     assert len(ranked_pairs("P", list("abcd"), [4, 3, 2, 1])) == 6  # K·(K−1)/2
     assert ranked_pairs("P", ["", "  ", "z"], [9, 8, 1]) == []  # empty answers are not compared
+    gapped = ranked_pairs("P", list("abcd"), [0.0, 0.05, 0.3, 1.0], min_gap=0.3)  # closer than 0.3: a tie
+    assert [(p["chosen"], p["rejected"]) for p in gapped] == [(" c", " a"), (" d", " a"), (" d", " b"), (" d", " c")]
 
 
 def base(tmp_path, *extra):
@@ -38,8 +41,8 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     report = json.loads((out / "comparisons.json").read_text())
-    files = ["comparisons.json", "eval.jsonl", "train.jsonl"] if report["eval"]["pairs"] else \
-        ["comparisons.json", "train.jsonl"]  # a random actor's eval answers may all tie: step 2 splits 9:1
+    files = ["answers.jsonl", "comparisons.json", "eval.jsonl", "train.jsonl"] if report["eval"]["pairs"] else \
+        ["answers.jsonl", "comparisons.json", "train.jsonl"]  # a random actor's eval answers may all tie
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == files  # not the run's manifest
     assert report["train"]["prompts"] == 12 and report["eval"]["prompts"] == 4 and report["train"]["answers"] == 48
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
@@ -48,6 +51,17 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
         noun = asked_object(row["prompt"])
         assert quality(row["chosen"], noun) == row["chosen_score"] > row["rejected_score"] == \
             quality(row["rejected"], noun)
+    kept = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [len(k["answers"]) for k in kept] == [4] * 16 and [k["split"] for k in kept] == ["train"] * 12 + ["eval"] * 4
+    assert all(k["scores"] == [quality(a, asked_object(k["prompt"])) for a in k["answers"]] for k in kept)
+    # the same answers labelled again by another labeller, no actor: its pairs, the sampling settings kept
+    relabelled = run_entry(COLLECT, "--from_answers", out, "--label_fn", "builtin_rule", "--output_dir",
+                           tmp_path / "again", env=OMP)
+    assert relabelled.returncode == 0, relabelled.stderr[-3000:]
+    again = json.loads((tmp_path / "again" / "comparisons.json").read_text())
+    assert again["train"]["answers"] == 48 and again["settings"]["from_answers"] == str(out)
+    assert again["settings"]["actor_model_name_or_path"] == "tiny-llama" and again["settings"]["label_fn"] == \
+        "builtin_rule"
     again = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference"), env=OMP)
     assert again.returncode == 2 and "already holds comparisons" in again.stderr  # no silent overwrite
     (out / "my_notes.md").write_text("mine")  # --overwrite replaces the earlier collection, nothing else
@@ -63,6 +77,44 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
                       "--reward_loss", "end", env=OMP)
     assert step2.returncode == 0, step2.stderr[-3000:]
     assert (tmp_path / "rm" / "reward_model.json").is_file()
+
+
+def test_from_answers_labels_an_earlier_collections_answers_by_hand(tmp_path):
+    """--from_answers: the answers.jsonl an earlier collection kept, labelled by another --label_fn with --min_gap,
+    pairs by hand (ties and near-ties left out), no actor loaded, the rows' constraint types kept."""
+    from step2_reward_model_finetuning import collect_comparisons as cc
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    lines = [{"split": "train", "prompt": " Human: a Assistant:", "row": {"instruction_id_list": ["x:y"]},
+              "answers": ["aaaa", "b", "cc", "ddd"], "scores": [0, 0, 0, 0]},
+             {"split": "train", "prompt": " Human: b Assistant:", "row": {}, "answers": ["ee", "ff"], "scores": [0, 0]},
+             {"split": "eval", "prompt": " Human: c Assistant:", "row": {}, "answers": ["g", "hhh"], "scores": [1, 2]}]
+    (earlier / "answers.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    labeller = tmp_path / "by_length.py"
+    labeller.write_text("def label(prompts, answers, rows):\n    return [len(a) / 10 for a in answers]\n")
+    args = cc.parse_args(["--from_answers", str(earlier), "--label_fn", f"{labeller}:label", "--min_gap", "0.15",
+                          "--output_dir", str(tmp_path / "out")])
+    report = cc.main(args)
+    pairs = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    # lengths 4, 1, 2, 3 → scores .4 .1 .2 .3: gaps ≥ .15 are (a, b), (a, c), (d, b); "ee"/"ff" tie
+    assert [(p["chosen"], p["rejected"], p["instruction_id_list"]) for p in pairs] == [
+        (" aaaa", " b", ["x:y"]), (" aaaa", " cc", ["x:y"]), (" ddd", " b", ["x:y"])]
+    assert [p["chosen"] for p in map(json.loads, (tmp_path / "out" / "eval.jsonl").read_text().splitlines())] == [
+        " hhh"]
+    assert report["train"] == {"prompts": 2, "answers": 6, "pairs": 3, "prompts_without_pairs": 1,
+                               "mean_score": pytest.approx(1.4 / 6)}
+    kept = [json.loads(line) for line in (tmp_path / "out" / "answers.jsonl").read_text().splitlines()]
+    assert kept[0]["scores"] == [0.4, 0.1, 0.2, 0.3] and [k["answers"] for k in kept] == [k["answers"] for k in lines]
+    for bad, message in ((["--actor_model_name_or_path", "tiny-llama"], "one of the two"),
+                         (["--min_gap", "-1"], "--min_gap must be a number ≥ 0")):
+        with pytest.raises(UserInputError, match=message):
+            cc.validate(cc.parse_args(["--from_answers", str(earlier), "--label_fn", "f", "--output_dir", "o", *bad]))
+    with pytest.raises(UserInputError, match="no answers.jsonl there"):
+        cc.validate(cc.parse_args(["--from_answers", str(tmp_path), "--label_fn", "f", "--output_dir", "o"]))
+    with pytest.raises(UserInputError, match="is the --output_dir"):  # --overwrite would move the answers away
+        cc.validate(cc.parse_args(["--from_answers", str(earlier), "--label_fn", "f", "--output_dir",
+                                   str(earlier / "."), "--overwrite"]))
 
 
 LABELLERS = {

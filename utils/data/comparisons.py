@@ -21,11 +21,14 @@ from __future__ import annotations
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 
-def ranked_pairs(prompt: str, answers: Sequence[str], scores: Sequence[float]) -> List[Dict[str, object]]:
+def ranked_pairs(prompt: str, answers: Sequence[str], scores: Sequence[float],
+                 min_gap: float = 0.0) -> List[Dict[str, object]]:
     """Every pair of differently scored answers to ``prompt``, the better one ``chosen``.
 
-    Answers that are the same text count once (with their first score); ties give no pair. Pairs come
-    in the order of the answers (``i < j``), so the result is the same for the same input.
+    Answers that are the same text count once (with their first score); ties give no pair, and with ``min_gap``
+    two scores closer than it are a tie. Pairs come in the order of the answers (``i < j``), so the result is the
+    same for the same input. The answers in some pair stay one connected group (each is paired with the lowest or
+    the highest score), which :func:`group_pairs` relies on.
     """
     first = {}
     for answer, score in zip(answers, scores):
@@ -35,7 +38,7 @@ def ranked_pairs(prompt: str, answers: Sequence[str], scores: Sequence[float]) -
     pairs = []
     for i, (a, score_a) in enumerate(unique):
         for b, score_b in unique[i + 1:]:
-            if score_a == score_b:
+            if score_a == score_b or abs(score_a - score_b) < min_gap:
                 continue
             (chosen, c), (rejected, r) = ((a, score_a), (b, score_b)) if score_a > score_b else \
                 ((b, score_b), (a, score_a))
