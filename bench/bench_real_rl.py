@@ -21,8 +21,9 @@ Rows:
   budget, the critic initialised from the ``rm`` row's reward model as DeepSpeed-Chat does: step 3's PPO machinery
   apart from the reward model's quality;
 * ``rm``: the reward model alone. The model's own answers (``--rm_answers`` 8 a prompt, temperature 1) to the
-  training instructions, ranked by the same checker (``collect_comparisons.py --label_fn
-  bench/ifeval_reward.py:ifeval_guarded``: every pair of differently scored answers, ties left out),
+  training instructions, ranked by the checker (``collect_comparisons.py``, ``--rm_label``: ``kept``, the
+  constraints an answer keeps past the guards, ``bench/ifeval_reward.py:ifeval_kept``, or ``guarded``, the GRPO
+  row's reward with its content term; every pair of scores at least ``--rm_min_gap`` apart, ties left out),
   ``--rm_eval_prompts`` of those instructions kept for the eval pairs (:func:`rm_prompt_rows`; the held-out
   instructions never reach the collector) → step 2 (``--rm_model``, ``--rm_lr``, ``--rm_epochs``, ``--rm_steps``,
   ``--rm_kwise``, ``--num_padding_at_beginning``). Measured: pair accuracy on the eval pairs, overall and per
@@ -88,6 +89,7 @@ LENGTH_TYPES = ("length_constraints:number_words",)  # constraints that limit le
 # the tuned reward (GRPO, TRL and the PPO path's labeller): a file's function, from the repository's root, where the
 # steps run (utils.reward_functions.load_reward_fn)
 GUARDED = "bench/ifeval_reward.py:ifeval_guarded"
+RM_LABELS = {"guarded": GUARDED, "kept": "bench/ifeval_reward.py:ifeval_kept"}  # the rm row's --rm_label
 EXAMPLES = 3  # answers shown before and after
 
 
@@ -400,7 +402,8 @@ def rm_commands(model: str, paths: dict, opts) -> list:
     common = ["--apply_chat_template", "--seed", str(opts.seed), "--data_output_path", paths["data"]]
     return [
         ["step2_reward_model_finetuning/collect_comparisons.py", "--actor_model_name_or_path", model, "--data_path",
-         paths["prompts"], "--data_split", "0,1,0", "--label_fn", GUARDED, "--num_answers", str(opts.rm_answers),
+         paths["prompts"], "--data_split", "0,1,0", "--label_fn", RM_LABELS[opts.rm_label], "--min_gap",
+         str(opts.rm_min_gap), "--num_answers", str(opts.rm_answers),
          "--max_new_tokens", str(opts.answer_len), "--temperature", "1.0", "--max_prompts", str(opts.rm_prompts),
          "--max_eval_prompts", "0", "--batch_size", "8", "--output_dir", paths["comparisons"], "--overwrite",
          *common],
@@ -408,6 +411,7 @@ def rm_commands(model: str, paths: dict, opts) -> list:
          paths["comparisons"], "--data_split", "0,1,0", "--num_padding_at_beginning",
          str(opts.num_padding_at_beginning), "--max_seq_len", str(opts.rm_max_seq_len),
          "--per_device_train_batch_size", str(opts.rm_batch), "--learning_rate", str(opts.rm_lr),
+         "--lr_scheduler_type", opts.rm_scheduler,
          "--num_train_epochs", str(opts.rm_epochs), "--max_steps", str(opts.rm_steps), "--reward_loss", "end",
          "--eval_interval", str(opts.rm_eval_interval), "--eval_iters", "0", "--dtype", "fp32",
          "--adam_betas", *map(str, opts.adam_betas), "--output_dir", paths["reward"], "--overwrite", *common,
@@ -751,8 +755,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rm_eval_prompts", type=int, default=40,
                    help="training instructions kept apart for the reward model's eval pairs (never trained on)")
     g.add_argument("--rm_answers", type=int, default=8, help="answers sampled a prompt (K: up to K(K-1)/2 pairs)")
+    g.add_argument("--rm_label", choices=sorted(RM_LABELS), default="kept",
+                   help="the collector's --label_fn: kept (the constraints kept by an answer past the guards: "
+                        "ifeval_kept) or guarded (the GRPO row's reward, with its content term: ifeval_guarded)")
+    g.add_argument("--rm_min_gap", type=float, default=0.0,
+                   help="the collector's --min_gap: closer scores are a tie (no pair)")
     g.add_argument("--rm_model", default=None, help="the model the reward model starts from (default: --model)")
     g.add_argument("--rm_lr", type=float, default=2e-5, help="step 2's learning rate")
+    g.add_argument("--rm_scheduler", default="cosine", help="step 2's --lr_scheduler_type")
     g.add_argument("--rm_epochs", type=int, default=1, help="step 2's epochs over the comparisons")
     g.add_argument("--rm_steps", type=int, default=0, help="step 2's --max_steps (0: the epochs decide)")
     g.add_argument("--rm_batch", type=int, default=8, help="step 2's pairs a batch")

@@ -109,6 +109,25 @@ def guarded_compliance(row: dict, answer: str) -> float:
     return compliance(row, answer) * substance(row, answer) * variety(answer) + content
 
 
+VARIETY_KEPT = 0.9  # :func:`ifeval_kept`'s guard: an answer with fewer distinct word trigrams than this repeats itself
+
+
+def kept(row: dict, answer: str) -> float:
+    """:func:`compliance` of an answer that answers (:func:`substance` 1) without repeating itself (:func:`variety`
+    ≥ :data:`VARIETY_KEPT`), else 0: a few levels (0, ½, 1 for rows of one or two constraints)."""
+    guarded = substance(row, answer) >= 1.0 and variety(answer) >= VARIETY_KEPT
+    return compliance(row, answer) if guarded else 0.0
+
+
+def ifeval_kept(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
+    """A labeller for comparisons (``collect_comparisons.py --label_fn bench/ifeval_reward.py:ifeval_kept``): the
+    constraints kept, by an answer that passes the guards (:func:`kept`). Unlike :func:`ifeval_guarded` it has no
+    content term and no graded guards, so two answers differ only where a constraint or a guard does, and equals
+    tie (left out): on SmolLM2's own answers half of the guarded label's pairs differed by less than 0.1, mostly by
+    the F1 against an alpaca answer the reward model never sees (docs/real-model.md)."""
+    return [kept(row, answer) for answer, row in zip(answers, rows)]
+
+
 def ifeval_guarded(prompts: List[str], answers: List[str], rows: List[dict]) -> List[float]:
     """The ``ifeval`` share times the content guard (:func:`substance`: at least 10 words besides the constraint's
     own text), so an answer that is only the required phrase or keyword earns nothing, times its share of distinct

@@ -401,6 +401,24 @@ def test_the_guard_pays_a_repeated_answer_its_share_of_distinct_trigrams():
     assert guarded_compliance(ps, looped) == pytest.approx(variety(looped)) and variety(looped) < 0.8
 
 
+def test_the_kept_label_is_the_constraints_kept_past_both_guards_and_nothing_else():
+    """The comparisons' label (``ifeval_kept``): compliance where an answer answers (substance 1) and does not
+    repeat itself (variety ≥ 0.9), else 0; no content term, so answers keeping the same constraints tie."""
+    from bench.ifeval_reward import kept
+
+    two = {"instruction_id_list": ["punctuation:no_comma", "detectable_content:postscript"],
+           "kwargs": [{}, {"postscript_marker": "P.S."}], "reference_output": "Whisk flour and eggs."}
+    both = "Whisk flour and eggs then rest the batter an hour and fry thin rounds in butter. P.S. Serve warm."
+    one = both.replace(" P.S. Serve warm.", "")  # no comma, no postscript: ½
+    assert kept(two, both) == 1.0 and kept(two, one) == 0.5
+    assert kept(two, one.replace("eggs", "eggs,")) == 0.0  # a comma: neither constraint kept
+    assert kept(two, "Fry them. P.S. Warm.") == 0.0  # both kept, 3 words besides the marker: not an answer
+    looped = both + " P.S. Serve warm. P.S. Serve warm."  # 20 of 26 trigrams distinct: 0.77 < 0.9
+    assert compliance(two, looped) == 1.0 and kept(two, looped) == 0.0
+    fn = load_reward_fn(f"{REPO / 'bench' / 'ifeval_reward.py'}:ifeval_kept")
+    assert call_reward_fn(fn, "ifeval_kept", ["p"] * 3, [both, one, looped], [two] * 3) == [1.0, 0.5, 0.0]
+
+
 def test_the_content_term_pays_nothing_for_a_forbidden_word():
     """The builder draws forbidden words from alpaca's answer, the very text the content term compares with: a
     term that counted them paid for breaking the instruction (a little: +0.009 on average for writing them into

@@ -63,7 +63,7 @@ def test_the_heldout_prompts_never_reach_the_comparison_collector(tmp_path, monk
     collect, step2 = bench.rm_commands("tiny-llama", paths, opts)
     assert collect[0] == "step2_reward_model_finetuning/collect_comparisons.py"
     args = collect_comparisons.parse_args(collect[1:])
-    assert args.data_path == [paths["prompts"]] and args.label_fn == bench.GUARDED
+    assert args.data_path == [paths["prompts"]] and args.label_fn == bench.RM_LABELS["kept"]
     answered = collect_comparisons.check_data(args)  # {"train": [(prompt, row)], "eval": [...]}: what it answers
     held = {r["instruction"] for r in data["heldout.jsonl"] + data["heldout_reworded.jsonl"]}
     held_prompts = {r["prompt"] for r in data["heldout.jsonl"] + data["heldout_reworded.jsonl"]}
@@ -180,7 +180,8 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     paths = bench.rm_paths(str(tmp_path / "w"))
     collect, step2 = bench.rm_commands("model", paths, opts)
     c = collect_comparisons.parse_args(collect[1:])
-    assert (c.actor_model_name_or_path, c.label_fn, c.num_answers, c.temperature) == ("model", bench.GUARDED, 8, 1.0)
+    assert (c.actor_model_name_or_path, c.label_fn, c.num_answers, c.temperature, c.min_gap) == \
+        ("model", "bench/ifeval_reward.py:ifeval_kept", 8, 1.0, 0.0)
     assert (c.data_path, c.data_split, c.max_prompts, c.max_eval_prompts) == ([paths["prompts"]], "0,1,0", 100, 0)
     assert c.apply_chat_template and c.seed == 7 and c.output_dir == paths["comparisons"]
     s = step2_args(step2[1:])
@@ -188,6 +189,11 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     assert (s.model_name_or_path, s.data_path, s.data_split) == ("other", [paths["comparisons"]], "0,1,0")
     assert (s.learning_rate, s.num_train_epochs, s.max_steps, s.num_padding_at_beginning) == (1e-5, 2, 50, 1)
     assert (s.kwise, s.reward_loss, s.eval_iters, s.output_dir) == (True, "end", 0, paths["reward"])
+    assert s.lr_scheduler_type == "cosine"
+    collect, step2 = bench.rm_commands("model", paths, options(bench, rm_label="guarded", rm_min_gap=0.1,
+                                                               rm_scheduler="constant"))
+    c = collect_comparisons.parse_args(collect[1:])
+    assert (c.label_fn, c.min_gap, step2_args(step2[1:]).lr_scheduler_type) == (bench.GUARDED, 0.1, "constant")
     assert bench.step2_has_kwise()  # this checkout's step 2 takes it
     assert not step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).kwise
     assert step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).model_name_or_path == "model"
@@ -269,15 +275,12 @@ def test_comparisons_carry_their_prompts_constraint_types(monkeypatch):
     """collect_comparisons.py keeps an IFEval row's instruction_id_list on each of its pairs (per-type accuracy);
     rows without one give the pairs as before."""
     from step2_reward_model_finetuning import collect_comparisons
-    import utils.answers
 
-    monkeypatch.setattr(utils.answers, "generate_answers", lambda model, tok, prompts, *a, per_prompt=1, **k:
-                        [f"answer {i}" for i in range(len(prompts) * per_prompt)])
-    args = Namespace(num_answers=3, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4, seed=1, batch_size=2,
-                     apply_chat_template=False, label_fn="f")
+    args = Namespace(label_fn="f", min_gap=0.0)
     rows = [(" Human: a Assistant:", {"instruction_id_list": ["punctuation:no_comma"]}), (" Human: b Assistant:", {})]
-    pairs, counts, _ = collect_comparisons.collect(None, None, lambda p, a, r: [float(x[-1]) for x in a], args, rows,
-                                                   "eval")
+    answers = [[f"answer {i}" for i in range(3)], [f"answer {i}" for i in range(3, 6)]]
+    pairs, counts, _, _ = collect_comparisons.label(lambda p, a, r: [float(x[-1]) for x in a], args, rows, answers,
+                                                    "eval")
     assert counts == [3, 3] and [p.get("instruction_id_list") for p in pairs] == [["punctuation:no_comma"]] * 3 + [
         None] * 3
 
@@ -333,8 +336,10 @@ def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch):
     bench = load_bench(monkeypatch)
     model = resolve_model_path("tiny-llama")
     data = tiny_ifeval(tmp_path, n=24, heldout=6)
+    # the guarded label: its content term tells the tiny model's 8-token answers apart, which all fail the
+    # default (kept) label's 10-word guard alike
     opts = options(bench, model=model, rm_eval_prompts=4, rm_answers=3, answer_len=8, rm_steps=2, rm_batch=4,
-                   rm_eval_interval=1, steps=2, eval_every=1, prompts=2, group=2, lr=1e-4)
+                   rm_eval_interval=1, steps=2, eval_every=1, prompts=2, group=2, lr=1e-4, rm_label="guarded")
     paths = bench.rm_paths(str(tmp_path / "work"))
     bench.write_rm_prompts(data, paths["prompts"], opts)
     collect, step2 = bench.rm_commands(model, paths, opts)
