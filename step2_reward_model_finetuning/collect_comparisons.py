@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--apply_chat_template", action="store_true",
                    help="Answer in the actor's chat template (as the steps' flag); the pairs keep the prompts' text, "
                         "so step 2 reads them with --apply_chat_template too.")
-    p.add_argument("--output_dir", required=True, help="Where train.jsonl, eval.jsonl and comparisons.json go.")
+    p.add_argument("--output_dir", required=True, help="Where train.jsonl, eval.jsonl, answers.jsonl and comparisons.json go.")
     p.add_argument("--overwrite", action="store_true", help="Replace the comparisons an earlier run wrote there.")
     add_trust_remote_code_arg(p)
     return p.parse_args(argv)
