@@ -67,7 +67,8 @@ def test_collected_comparisons_are_ranked_by_the_labeller_and_train_step2(tmp_pa
     (out / "my_notes.md").write_text("mine")  # --overwrite replaces the earlier collection, nothing else
     again = run_entry(COLLECT, *base(tmp_path, "--label_fn", "builtin_preference", "--overwrite"), env=OMP)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "set the earlier run's comparisons.json" in again.stdout and "left in place: my_notes.md" in again.stdout
+    assert "set the earlier run's answers.jsonl, comparisons.json" in again.stdout
+    assert "left in place: my_notes.md" in again.stdout
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(files + ["my_notes.md"])
     assert (out / "my_notes.md").read_text() == "mine"
     os.remove(out / "my_notes.md")
