@@ -749,10 +749,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the data builder's --train_weights: these types W times as often in the training rows "
                              "(GRPO and TRL rows alike); the held-out rows unchanged")
     g = parser.add_argument_group("the reward model and PPO rows (rm, ppo_fn, ppo)")
-    g.add_argument("--rm_prompts", type=int, default=0,
+    g.add_argument("--rm_prompts", type=int, default=100,
                    help="training prompts the collector answers (0: every training instruction not kept for the "
                         "eval pairs)")
-    g.add_argument("--rm_eval_prompts", type=int, default=40,
+    g.add_argument("--rm_eval_prompts", type=int, default=64,
                    help="training instructions kept apart for the reward model's eval pairs (never trained on)")
     g.add_argument("--rm_answers", type=int, default=8, help="answers sampled a prompt (K: up to K(K-1)/2 pairs)")
     g.add_argument("--rm_label", choices=sorted(RM_LABELS), default="kept",
@@ -761,14 +761,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rm_min_gap", type=float, default=0.0,
                    help="the collector's --min_gap: closer scores are a tie (no pair)")
     g.add_argument("--rm_model", default=None, help="the model the reward model starts from (default: --model)")
-    g.add_argument("--rm_lr", type=float, default=2e-5, help="step 2's learning rate")
-    g.add_argument("--rm_scheduler", default="cosine", help="step 2's --lr_scheduler_type")
-    g.add_argument("--rm_epochs", type=int, default=1, help="step 2's epochs over the comparisons")
+    g.add_argument("--rm_lr", type=float, default=1e-4, help="step 2's learning rate")
+    g.add_argument("--rm_scheduler", default="constant", help="step 2's --lr_scheduler_type")
+    g.add_argument("--rm_epochs", type=int, default=2, help="step 2's epochs over the comparisons")
     g.add_argument("--rm_steps", type=int, default=0, help="step 2's --max_steps (0: the epochs decide)")
-    g.add_argument("--rm_batch", type=int, default=8, help="step 2's pairs a batch")
+    g.add_argument("--rm_batch", type=int, default=4, help="step 2's batch: prompts (with --rm_kwise) or pairs")
     g.add_argument("--rm_eval_interval", type=int, default=20, help="step 2 evaluates every this many steps")
     g.add_argument("--rm_max_seq_len", type=int, default=320, help="step 2's --max_seq_len (prompt and answer)")
-    g.add_argument("--rm_kwise", action="store_true",
+    g.add_argument("--rm_kwise", action=argparse.BooleanOptionalAction, default=True,
                    help="step 2's --kwise: all pairs of one prompt in one batch (InstructGPT's K-wise batching)")
     g.add_argument("--num_padding_at_beginning", type=int, default=0,
                    help="steps 2 and 3's (0 for a Llama-style tokenizer, 1 for OPT's)")

@@ -189,13 +189,16 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     assert (s.model_name_or_path, s.data_path, s.data_split) == ("other", [paths["comparisons"]], "0,1,0")
     assert (s.learning_rate, s.num_train_epochs, s.max_steps, s.num_padding_at_beginning) == (1e-5, 2, 50, 1)
     assert (s.kwise, s.reward_loss, s.eval_iters, s.output_dir) == (True, "end", 0, paths["reward"])
-    assert s.lr_scheduler_type == "cosine"
+    assert s.lr_scheduler_type == "constant"
     collect, step2 = bench.rm_commands("model", paths, options(bench, rm_label="guarded", rm_min_gap=0.1,
-                                                               rm_scheduler="constant"))
+                                                               rm_scheduler="cosine"))
     c = collect_comparisons.parse_args(collect[1:])
-    assert (c.label_fn, c.min_gap, step2_args(step2[1:]).lr_scheduler_type) == (bench.GUARDED, 0.1, "constant")
+    assert (c.label_fn, c.min_gap, step2_args(step2[1:]).lr_scheduler_type) == (bench.GUARDED, 0.1, "cosine")
     assert bench.step2_has_kwise()  # this checkout's step 2 takes it
-    assert not step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).kwise
+    default = step2_args(bench.rm_commands("model", paths, options(bench))[1][1:])  # the measured settings
+    assert (default.kwise, default.learning_rate, default.lr_scheduler_type, default.num_train_epochs,
+            default.per_device_train_batch_size) == (True, 1e-4, "constant", 2, 4)
+    assert not step2_args(bench.rm_commands("model", paths, options(bench, rm_kwise=False))[1][1:]).kwise
     assert step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).model_name_or_path == "model"
 
 
