@@ -150,6 +150,8 @@ def default_help(field: str) -> str:
     if field == "loss_agg":
         fixed = [f"{s.loss_agg} for --policy_loss {s.name}" for s in POLICY_LOSSES.values() if s.loss_agg]
         return "; ".join(fixed + [_by_value((s.name, s.loss_agg) for s in ESTIMATORS.values())])
+    if field == "whiten":
+        return _by_value((s.name, "on" if s.whiten else "off") for s in ESTIMATORS.values())
     if field in ("cliprange", "cliprange_high"):
         pairs = [(s.name, getattr(s, field) if getattr(s, field) is not None else "--cliprange")
                  for s in POLICY_LOSSES.values()]

@@ -12,7 +12,7 @@ import math
 
 from step3_rlhf_finetuning.algorithms import estimator_spec
 from step3_rlhf_finetuning.config import (CRITIC_ONLY_FLAGS, DATA, DAPO, EMA_BETA, GENERATION, HYBRID, KNOB_CLASSES,
-                                          PPO, REWARD, RL, PPOConfig, RewardConfig, add_knob_args,
+                                          PPO, REWARD, RL, VALUE_HEADS, PPOConfig, RewardConfig, add_knob_args,
                                           knob_ranges)
 from utils.arguments import (COMPAT_GROUP, ZERO_STAGES, HelpFormatter, add_checkpoint_args, add_compute_fp32_loss_arg,
                              add_deepspeed_config_args,
@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--critic_model_name_or_path", type=str, default=None,
                    help="Step-2 output folder: initialises the critic (PPO) and the reward model. Not needed "
                         "(and refused) with a critic-free --advantage_estimator and --reward_fn alone.")
+    g.add_argument("--critic_value_head", choices=VALUE_HEADS, default="reward_model",
+                   help="Where the critic's value head starts (gae): reward_model = the step-2 model's, as "
+                        "DeepSpeed-Chat; zero = values 0 until the critic learns them (its backbone still the step-2 "
+                        "model's). bench/bench_ppo_advantages.py measures which gives advantages that carry the "
+                        "reward.")
     add_num_padding_arg(g)
     g.add_argument("--allow_vocab_mismatch", action="store_true",
                    help="Run even when the actor's and the reward model's tokenizers differ (the reward model "

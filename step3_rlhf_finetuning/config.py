@@ -189,7 +189,8 @@ class GenerationConfig:
 # Flags only the critic reads: refused when no critic is built (a critic-free --advantage_estimator)
 CRITIC_ONLY_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_zero_stage", "critic_dropout",
                      "critic_gradient_checkpointing", "critic_lora_dim", "critic_lora_module_name",
-                     "critic_lora_learning_rate", "cliprange_value", "lam", "align_overflow")
+                     "critic_lora_learning_rate", "cliprange_value", "lam", "critic_value_head", "align_overflow")
+VALUE_HEADS = ("reward_model", "zero")  # --critic_value_head: where the critic's value head starts
 DYNAMIC_SAMPLING_BATCHES = 4  # --dynamic_sampling_max_batches left unset: this many times --generation_batches
 EMA_BETA = 0.992
 
@@ -233,6 +234,9 @@ class PPOConfig:
     cliprange_value: float = knob(0.2, "Value clip of the critic loss (gae).", group=PPO, range=FINITE_AT_LEAST_0)
     gamma: float = knob(1.0, "Discount γ.", group=PPO, range=UNIT_INTERVAL)
     lam: float = knob(0.95, "GAE λ (gae).", group=PPO, range=UNIT_INTERVAL)
+    whiten_advantages: bool | None = knob(
+        None, lambda: "Whiten the advantages over the batch of every rank (mean 0, std 1) before the update (default: "
+                      f"{default_help('whiten')}: gae's as DeepSpeed-Chat).", group=PPO, action="boolean_optional")
     ppo_epochs: int = knob(1, "Passes of training over each round's experience.", group=PPO, range=AT_LEAST_1)
     generation_batches: int = knob(1, "Generation batches collected before each round of training.", group=PPO,
                                    range=AT_LEAST_1)
@@ -267,6 +271,8 @@ class PPOConfig:
             resolved["use_kl_loss"] = estimator.kl_in_loss
         if self.kl_estimator is None:
             resolved["kl_estimator"] = estimator.kl_estimator
+        if self.whiten_advantages is None:
+            resolved["whiten_advantages"] = estimator.whiten
         if self.loss_agg is None:
             resolved["loss_agg"] = loss.loss_agg or estimator.loss_agg
         if self.loss_agg is not None and self.loss_agg not in LOSS_AGGREGATIONS:
@@ -328,6 +334,7 @@ class RoleConfig:
     lora_module_name: str = "decoder.layers."
     gradient_checkpointing: bool = False
     grad_accum: int = 1  # micro-batches per optimizer step (the actor's doubles with unsupervised mixing)
+    value_head: str = "reward_model"  # the critic's (--critic_value_head): the step-2 model's, or "zero"
     offload_frozen: bool = False  # --offload_reference_model (actor: ref and EMA) / --offload_reward_model
 
 
@@ -405,7 +412,8 @@ class Step3Config:
                               lora_dim=getattr(args, f"{name}_lora_dim"),
                               lora_module_name=getattr(args, f"{name}_lora_module_name"),
                               gradient_checkpointing=getattr(args, f"{name}_gradient_checkpointing"),
-                              grad_accum=grad_accum, offload_frozen=offload_frozen)
+                              grad_accum=grad_accum, offload_frozen=offload_frozen,
+                              **({"value_head": args.critic_value_head} if name == "critic" else {}))
 
         ppo = from_args_fields(PPOConfig, args, align_overflow=args.align_overflow and dtype == "fp16")
         reward = from_args_fields(RewardConfig, args)

@@ -151,6 +151,8 @@ def algorithm_line(ppo) -> str:
     """The run's policy loss, clip range, aggregation and DAPO's pieces, for the log."""
     parts = [f"policy loss: {ppo.policy_loss} (clip 1 − {ppo.cliprange:g} … 1 + {ppo.cliprange_high:g})",
              f"loss aggregation: {ppo.loss_agg}"]
+    if ppo.whiten_advantages != ppo.estimator_spec.whiten:  # --whiten_advantages against the estimator's own
+        parts.append("advantages whitened over the batch" if ppo.whiten_advantages else "advantages not whitened")
     if ppo.mask_truncated_answers:
         parts.append("answers cut at the length cap masked out of the losses")
     if ppo.overlong_penalty:

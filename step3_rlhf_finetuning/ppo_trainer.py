@@ -407,8 +407,11 @@ class DeepSpeedPPOTrainer:
           GAE with the critic's values;
         * critic-free: the clipped scores go through the estimator's per-answer function (group baselines; its
           spec's ``advantage``, :mod:`step3_rlhf_finetuning.algorithms`), land on the answer's last action with the
-          KL penalties (unless ``--use_kl_loss``), are summed into discounted returns, and are whitened over the
-          batch of every rank where the spec says so (``reinforce`` / ``reinforce_baseline``).
+          KL penalties (unless ``--use_kl_loss``), are summed into discounted returns.
+
+        Either way the advantages are then whitened over the batch of every rank with ``--whiten_advantages``
+        (default: the spec's, ``reinforce`` / ``reinforce_baseline``; not ``gae``, as DeepSpeed-Chat); the critic's
+        returns are not.
         """
         ppo, mask, spec = self.ppo, rollout.action_mask, self.ppo.estimator_spec
         kl_ctl = 0.0 if ppo.use_kl_loss or rollout.ref_logprobs is None else ppo.kl_ctl
@@ -417,15 +420,15 @@ class DeepSpeedPPOTrainer:
             if spec.critic:
                 rewards = kl_penalized_rewards(rollout.logprobs, ref, rollout.scores, mask, kl_ctl,
                                                ppo.clip_reward_value, ppo.kl_estimator)
-                rollout.advantages, rollout.returns = gae_advantages_and_returns(rollout.values, rewards, mask,
-                                                                                 ppo.gamma, ppo.lam)
-                return
-            clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
-            per_answer = spec.advantage_function()(clipped, rollout.group_size, rollout.valid)
-            rewards = kl_penalized_rewards(rollout.logprobs, ref, per_answer, mask, kl_ctl, float("inf"),
-                                           ppo.kl_estimator)
-            advantages = discounted_returns(rewards, mask, ppo.gamma)
-            if spec.whiten:
+                advantages, rollout.returns = gae_advantages_and_returns(rollout.values, rewards, mask, ppo.gamma,
+                                                                         ppo.lam)
+            else:
+                clipped = rollout.scores.float().clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
+                per_answer = spec.advantage_function()(clipped, rollout.group_size, rollout.valid)
+                rewards = kl_penalized_rewards(rollout.logprobs, ref, per_answer, mask, kl_ctl, float("inf"),
+                                               ppo.kl_estimator)
+                advantages = discounted_returns(rewards, mask, ppo.gamma)
+            if ppo.whiten_advantages:  # the critic's returns stay as they are
                 reduce = None
                 if torch.distributed.is_available() and torch.distributed.is_initialized():
                     reduce = torch.distributed.all_reduce

@@ -177,7 +177,7 @@ class DeepSpeedRLHFEngine:
 
     def _init_critic(self):
         from utils.ds_utils import get_eval_ds_config
-        from utils.model.critic import create_critic_model
+        from utils.model.critic import create_critic_model, zero_value_head
 
         start, config, critic = _log_init("critic"), self.config, self.config.critic
         ds_config = train_ds_config(config.dtype, critic.zero_stage, config.offload, config.micro_batch,
@@ -188,6 +188,9 @@ class DeepSpeedRLHFEngine:
         model = create_critic_model(critic.model_name_or_path, self.tokenizer, build_config,
                                     config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
                                     zero_stage=critic.zero_stage, trust_remote_code=config.trust_remote_code)
+        if critic.value_head == "zero":  # --critic_value_head zero: values 0 until learned, the backbone kept
+            zero_value_head(model, critic.zero_stage)
+            print_rank_0("critic: the step-2 model with its value head set to 0 (--critic_value_head zero)")
         # unlike the reference, --only_optimize_lora keeps the value head trainable
         engine = make_engine(self._lora(model, critic, force_optimize=("v_head",)), ds_config, critic.optim,
                              self.num_total_iters, critic.gradient_checkpointing)

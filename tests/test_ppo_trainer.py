@@ -271,6 +271,24 @@ def test_ppo_update_moves_towards_rewarded_answers_and_leaves_the_reference_alon
     assert engine.critic.module.table.weight[4].item() > 0
 
 
+def test_whiten_advantages_whitens_gae_advantages_and_leaves_the_returns():
+    # --whiten_advantages on PPO (off by default, as DeepSpeed-Chat): the same GAE advantages, centred and scaled
+    # over the counted actions of the batch (population variance), the critic's returns untouched
+    answers = [[3, 4, EOS], [3, EOS, PAD], [4, 4, EOS]]
+    plain = make_rollout(make_trainer(answers, scores=[4.0, -1.0, 2.0])[0])
+    whitened = make_rollout(make_trainer(answers, scores=[4.0, -1.0, 2.0],
+                                         ppo=PPOConfig(whiten_advantages=True))[0])
+    assert not PPOConfig().whiten_advantages and PPOConfig(advantage_estimator="reinforce").whiten_advantages
+    counted = plain.action_mask.bool()
+    a = plain.advantages[counted].double()
+    mean, var = a.mean(), ((a - a.mean()) ** 2).mean()
+    expected = torch.zeros_like(plain.advantages)
+    expected[counted] = ((a - mean) / torch.sqrt(var + 1e-8)).float()
+    assert_close(whitened.advantages, expected)
+    assert torch.equal(whitened.returns, plain.returns)
+    assert not torch.allclose(plain.advantages[counted], whitened.advantages[counted])
+
+
 def test_negative_scores_push_the_answer_down():
     trainer, engine = make_trainer([[3, 4, EOS]] * 3, scores=[-4.0] * 3, lr=0.5)
     exp = make_rollout(trainer)
@@ -675,6 +693,8 @@ BASE = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "
     (["--actor_zero_stage", "2", "--critic_zero_stage", "2", "--enable_hybrid_engine", "--offload"], "unsupported"),
     (["--do_sample", "--temperature", "0"], "sampling needs"),
     (["--generation_batches", "0"], "--generation_batches must be ≥ 1"),
+    (["--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", "--do_sample", "--critic_value_head", "zero"],
+     "--critic_value_head would not be used"),
 ])
 def test_bad_flag_combinations_are_refused_up_front(flags, message):
     with pytest.raises(UserInputError, match=message):
@@ -689,6 +709,25 @@ def test_reference_defaults():
             args.actor_lora_module_name, args.seed, args.kl_ctl, args.lam) == (16, 256, 1, "decoder.layers.", 1234,
                                                                                0.1, 0.95)
     assert not args.do_sample and args.tensorboard_path == "step3_tensorboard"
+    # the critic starts from the step-2 model whole, advantages unwhitened (DeepSpeed-Chat's)
+    assert args.critic_value_head == "reward_model" and args.whiten_advantages is None
+
+
+def test_critic_value_head_reaches_the_critics_config():
+    from step3_rlhf_finetuning.config import Step3Config
+
+    args = parse_args(BASE + ["--critic_value_head", "zero", "--whiten_advantages"])
+    args.dtype = "fp32"
+    config = Step3Config.from_args(args)
+    assert config.engine.critic.value_head == "zero" and config.engine.actor.value_head == "reward_model"
+    assert config.ppo.whiten_advantages is True
+    from step3_rlhf_finetuning.metrics import algorithm_line
+
+    assert algorithm_line(config.ppo).endswith("; advantages whitened over the batch")
+    assert "whiten" not in algorithm_line(PPOConfig()) and "whiten" not in algorithm_line(
+        PPOConfig(advantage_estimator="reinforce"))
+    assert algorithm_line(PPOConfig(advantage_estimator="reinforce", whiten_advantages=False)).endswith(
+        "; advantages not whitened")
 
 
 def test_throughput_is_logged_about_five_times_a_run():

@@ -328,11 +328,12 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
 
 @pytest.mark.smoke
 @pytest.mark.slow
-def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch):
+def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     """The ``ppo`` row's commands on the tiny model and tiny IFEval-style data: the model's own answers to the
-    training prompts ranked by the checker → step 2 → step 3 PPO against that reward model alone, with a
-    checkpoint the bench finds and the reward curve its proxy plot reads; no held-out instruction in any
-    comparison, and the eval pairs carry their constraint types."""
+    training prompts ranked by the checker → step 2 → (bench_ppo_advantages.py's table on them) → step 3 PPO
+    against that reward model alone, its critic's value head zeroed and its advantages whitened, with a checkpoint
+    the bench finds and the reward curve its proxy plot reads; no held-out instruction in any comparison, and the
+    eval pairs carry their constraint types."""
     from utils.model.tiny import resolve_model_path
 
     monkeypatch.chdir(REPO)
@@ -342,7 +343,8 @@ def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch):
     # the guarded label: its content term tells the tiny model's 8-token answers apart, which all fail the
     # default (kept) label's 10-word guard alike
     opts = options(bench, model=model, rm_eval_prompts=4, rm_answers=3, answer_len=8, rm_steps=2, rm_batch=4,
-                   rm_eval_interval=1, steps=2, eval_every=1, prompts=2, group=2, lr=1e-4, rm_label="guarded")
+                   rm_eval_interval=1, steps=2, eval_every=1, prompts=2, group=2, lr=1e-4, rm_label="guarded",
+                   ppo_args="--critic_value_head zero --whiten_advantages --lam 1.0")
     paths = bench.rm_paths(str(tmp_path / "work"))
     bench.write_rm_prompts(data, paths["prompts"], opts)
     collect, step2 = bench.rm_commands(model, paths, opts)
@@ -357,10 +359,21 @@ def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch):
     train_types = {r["prompt"]: r["instruction_id_list"] for r in data["train.jsonl"]}
     assert all(p["instruction_id_list"] == train_types[p["prompt"].split("Human: ", 1)[1].rsplit(" Assistant:", 1)[0]]
                for p in pairs["eval"])
+    spec = importlib.util.spec_from_file_location("bench_ppo_advantages", REPO / "bench" / "bench_ppo_advantages.py")
+    advantages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(advantages)
+    capsys.readouterr()
+    assert advantages.main(["--answers", paths["comparisons"], "--critic", paths["reward"], "--prompts", "3"]) == 0
+    table = capsys.readouterr().out
+    assert all(f"| {critic} | {lam} | " in table for critic in ("step-2 weights (DeepSpeed-Chat's start)",
+                                                                   "values 0 (an untrained value head)")
+               for lam in ("0.95", "1")), table
+    assert "answers to 3 prompts" in table
     out = tmp_path / "work" / "ppo"
     ppo = bench.ppo_command(model, {"train": data["train"]}, str(out), paths["reward"], opts)
     proc = run_entry(*ppo, env=OMP, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "value head set to 0" in proc.stdout and "advantages whitened over the batch" in proc.stdout
     assert (out / "actor").is_dir() and (out / "critic").is_dir()
     assert sorted(bench.checkpoint_weights(str(out))) == [1, 2]
     assert sorted(bench.metrics_curve(str(out / "metrics.jsonl"), "train", "reward"), key=int) == ["1", "2"]

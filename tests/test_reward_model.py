@@ -7,7 +7,7 @@ import torch
 
 from utils.errors import UserInputError
 from utils.model.critic import (MARKER_FILE, WEIGHTS_FILE, create_critic_model, load_reward_model,
-                                save_reward_model)
+                                save_reward_model, zero_value_head)
 from utils.model.model_utils import load_hf_tokenizer, resolve_model_name_or_path
 from utils.model.reward_model import count_leading_pads, end_score_index
 from utils.rl_math import pairwise_reward_loss
@@ -183,6 +183,25 @@ def test_save_load_round_trip_with_lora_fused(opt, tmp_path):
     assert torch.allclose(before["values"], after["values"], atol=1e-5)
     assert torch.allclose(before["chosen_end_scores"], after["chosen_end_scores"], atol=1e-5)
     assert tok2(PROMPT)["input_ids"] == tok(PROMPT)["input_ids"]
+
+
+def test_a_zeroed_value_head_gives_values_0_and_still_learns(tmp_path):
+    """Step 3's --critic_value_head zero: the step-2 folder loads whole (backbone and head), then every value is 0;
+    the head's gradient is not, so the critic learns its values; the backbone's weights are the folder's."""
+    tok = load_hf_tokenizer("tiny-opt")
+    torch.manual_seed(2)
+    model = create_critic_model("tiny-opt", tok, None, num_padding_at_beginning=1)
+    torch.nn.init.normal_(model.v_head.weight, std=1.0)
+    save_reward_model(model, tok, str(tmp_path / "rm"))
+    critic = create_critic_model(str(tmp_path / "rm"), tok, None, 1, rlhf_training=True)
+    backbone = {k: v.clone() for k, v in critic.state_dict().items() if not k.startswith("v_head")}
+    batch = _tokenize(tok, [PROMPT + GOOD + tok.eos_token])
+    assert critic.forward_value(**batch, return_value_only=True).abs().max() > 0
+    values = zero_value_head(critic).forward_value(**batch, return_value_only=True)
+    assert torch.equal(values, torch.zeros_like(values))
+    ((values - 1.0) ** 2).mean().backward()
+    assert critic.v_head.weight.grad.abs().max() > 0
+    assert all(torch.equal(v, backbone[k]) for k, v in critic.state_dict().items() if k in backbone)
 
 
 @pytest.mark.parametrize("prefix", ["rwtransformer.", "rwtranrsformer."])  # since / before its October 2023 fix

@@ -217,6 +217,21 @@ def create_critic_model(model_name_or_path: str, tokenizer, ds_config: dict | No
     return model
 
 
+def zero_value_head(model: RewardModel, zero_stage: int = 0) -> RewardModel:
+    """``model`` with its value head's weight set to 0 (every value 0 until the critic learns; the backbone kept):
+    step 3's ``--critic_value_head zero``. Under ZeRO-3 the partitioned weight is gathered, zeroed, partitioned."""
+    weight = model.v_head.weight
+    if zero_stage == 3 and hasattr(weight, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+            weight.zero_()
+    else:
+        with torch.no_grad():
+            weight.zero_()
+    return model
+
+
 def save_reward_model(model, tokenizer, output_dir: str, zero_stage: int = 0) -> None:
     """Write a step-2 folder (layout in the module docstring). Collective under ZeRO-3; rank 0 writes."""
     from safetensors.torch import save_file
