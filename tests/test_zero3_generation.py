@@ -9,6 +9,7 @@ start fresh Pythons and are marked slow.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -276,9 +277,12 @@ answers = generator.generate(ids, torch.ones_like(ids))[:, 12:]
 checksum = copy.flat.double().sum().reshape(1)
 both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
 torch.distributed.all_gather(both, checksum)
-print("RESULT " + json.dumps({"rank": rank, "sliced": sliced, "equal": equal, "answer_tokens": answers.shape[1],
-                              "tied": copy.module.lm_head.weight is copy.module.model.embed_tokens.weight,
-                              "same_copy_on_both": bool(torch.equal(both[0], both[1]))}), flush=True)
+# one write a line (print writes the text and its newline apart, so two ranks' lines could run together)
+sys.stdout.write("RESULT " + json.dumps({"rank": rank, "sliced": sliced, "equal": equal,
+                                         "answer_tokens": answers.shape[1],
+                                         "tied": copy.module.lm_head.weight is copy.module.model.embed_tokens.weight,
+                                         "same_copy_on_both": bool(torch.equal(both[0], both[1]))}) + "\n")
+sys.stdout.flush()
 """
 
 
@@ -297,8 +301,9 @@ def test_two_ranks_each_hold_the_whole_model_in_their_copy_and_generate_alone(ti
     proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), tied_llama], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-                      if "RESULT " in line), key=lambda r: r["rank"])
+    # each rank's flat JSON object after "RESULT ", wherever the two ranks' output met
+    results = sorted((json.loads(found) for found in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)),
+                     key=lambda r: r["rank"])
     assert results == [{"rank": rank, "sliced": True, "equal": True, "answer_tokens": 3 + 5 * rank, "tied": True,
                         "same_copy_on_both": True} for rank in (0, 1)]
 
