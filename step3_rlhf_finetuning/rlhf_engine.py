@@ -189,7 +189,7 @@ class DeepSpeedRLHFEngine:
                                     config.num_padding_at_beginning, rlhf_training=True, dropout=critic.dropout,
                                     zero_stage=critic.zero_stage, trust_remote_code=config.trust_remote_code)
         if critic.value_head == "zero":  # --critic_value_head zero: values 0 until learned, the backbone kept
-            zero_value_head(model, critic.zero_stage)
+            zero_value_head(model)
             print_rank_0("critic: the step-2 model with its value head set to 0 (--critic_value_head zero)")
         # unlike the reference, --only_optimize_lora keeps the value head trainable
         engine = make_engine(self._lora(model, critic, force_optimize=("v_head",)), ds_config, critic.optim,

@@ -217,18 +217,16 @@ def create_critic_model(model_name_or_path: str, tokenizer, ds_config: dict | No
     return model
 
 
-def zero_value_head(model: RewardModel, zero_stage: int = 0) -> RewardModel:
+def zero_value_head(model: RewardModel) -> RewardModel:
     """``model`` with its value head's weight set to 0 (every value 0 until the critic learns; the backbone kept):
-    step 3's ``--critic_value_head zero``. Under ZeRO-3 the partitioned weight is gathered, zeroed, partitioned."""
-    weight = model.v_head.weight
-    if zero_stage == 3 and hasattr(weight, "ds_id"):
-        import deepspeed
+    step 3's ``--critic_value_head zero``. A ZeRO-3 partitioned weight is gathered, zeroed and partitioned again
+    (an empty gather otherwise, as :mod:`utils.checkpoint` does)."""
+    import deepspeed
 
-        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
-            weight.zero_()
-    else:
-        with torch.no_grad():
-            weight.zero_()
+    weight = model.v_head.weight
+    with deepspeed.zero.GatheredParameters([weight] if hasattr(weight, "ds_id") else [], modifier_rank=0), \
+            torch.no_grad():
+        weight.zero_()
     return model
 
 
