@@ -17,6 +17,13 @@ It prints, per critic and λ, the Pearson correlation between each token's advan
 group-centred score (the score minus the mean score of that prompt's answers: the signal GRPO's advantages are
 made of, so 1.0 for GRPO at every token), by token position, and the advantages' spread. A correlation near 0
 means the gradient is mostly the critic's noise: the actor moves, but not towards the reward.
+
+With ``--head_lrs``, a second table asks whether the critic could learn the rest, a baseline for each prompt (what
+GRPO's group mean gives it): a value head from 0 on the step-2 backbone's states (frozen here; step 3 trains the
+whole critic at its ``--critic_learning_rate``), trained as step 3 trains its critic (the value loss, AdamW with
+betas 0.9 0.95, one update a batch of ``--batch_prompts`` prompts, each prompt seen once), with returns of λ = γ = 1.
+Each batch's advantages are scored before the update on it (so the head never scores what it has learned from), in
+four stretches of the run: a head that learns a baseline climbs from the zero values' correlation towards 1.
 """
 from __future__ import annotations
 
@@ -84,18 +91,68 @@ def answer_ids(tokenizer, chat, prompt: str, answer: str) -> tuple:
     return ids, tokenizer(" " + answer.strip(), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
 
 
-def critic_values(critic, tokenizer, chat, records: list) -> list:
-    """The critic's values ``[A]`` of each answer of ``records`` (answers.jsonl lines), in order: the values of the
-    states before each action (the last prompt token's to the answer's last but one), as step 3 reads them."""
-    values = []
+def critic_states(critic, tokenizer, chat, records: list) -> list:
+    """The critic backbone's last hidden states ``[A, H]`` (fp32) of each answer of ``records`` (answers.jsonl
+    lines), in order: the states before each action (the last prompt token's to the answer's last but one), whose
+    values (``critic.v_head``) step 3 reads."""
+    states = []
     for record in records:
         for answer in record["answers"]:
             prompt, answer = answer_ids(tokenizer, chat, record["prompt"], answer)
             ids = torch.tensor([prompt + answer])
             with torch.no_grad():
-                v = critic.forward_value(ids, torch.ones_like(ids), return_value_only=True)[0, :-1]
-            values.append(v[len(prompt) - 1:].float())
-    return values
+                hidden = critic.rwtransformer(ids, attention_mask=torch.ones_like(ids))[0][0, :-1]
+            states.append(hidden[len(prompt) - 1:].float())
+    return states
+
+
+def head_learning(states: list, scores: list, lr: float, batch_prompts: int = 4, stretches: int = 4) -> dict:
+    """A value head from 0 trained on frozen ``states`` as step 3 trains its critic. ``states``: one list per
+    prompt of its answers' ``[A_i, H]`` states; ``scores``: the answers' scores, alike. The prompts go in batches
+    of ``batch_prompts``, in order (a collection's are in its data's shuffled order); on each, the advantages ``G − V_t`` (λ = γ = 1 at the first update:
+    the return of every action is the score) are correlated with the group-centred scores, then one AdamW step
+    (betas 0.9 0.95, no weight decay) on step 3's value loss (old values = the current ones: the clip is idle).
+
+    Returns ``{"corr": [the mean correlation in each of `stretches` runs of batches], "loss": [value loss of each
+    batch, before its update], "weight": [H] the head at the end}``."""
+    from utils.rl_math import critic_loss
+
+    batches = [range(i, i + batch_prompts) for i in range(0, len(states) - batch_prompts + 1, batch_prompts)]
+    weight = torch.zeros(states[0][0].shape[1], requires_grad=True)
+    optimizer = torch.optim.AdamW([weight], lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    corrs, losses = [], []
+    for batch in batches:
+        answers = [(h, s, c) for p in batch for h, s, c in zip(states[p], scores[p], centred_scores([scores[p]])[0])]
+        values = torch.nn.utils.rnn.pad_sequence([h @ weight for h, _, _ in answers], batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(h)) for h, _, _ in answers], batch_first=True)
+        returns = torch.tensor([s for _, s, _ in answers])[:, None].expand_as(mask)
+        advantages = [(s - v)[:len(h)].detach() for (h, s, _), v in zip(answers, values)]
+        corrs.append(signal_by_position(advantages, [c for _, _, c in answers], buckets=())[0])
+        loss = critic_loss(values, values.detach(), returns, mask, cliprange_value=0.2)
+        losses.append(float(loss.detach()))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    size = -(-len(corrs) // stretches)
+    return {"corr": [sum(part) / len(part) for part in (corrs[i:i + size] for i in range(0, len(corrs), size))],
+            "loss": losses, "weight": weight.detach()}
+
+
+def head_table(states: list, scores: list, lrs: list, batch_prompts: int) -> str:
+    """The markdown table of :func:`head_learning` for each learning rate of ``lrs``."""
+    sizes = [len(group) for group in scores]
+    grouped = [states[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
+    batches = len(scores) // batch_prompts
+    size = -(-batches // 4)
+    spans = " / ".join(f"{i + 1}–{min(i + size, batches)}" for i in range(0, batches, size))
+    lines = [f"| value head lr | corr(G − V, centred score), batches {spans} | value loss, first / last batches |",
+             "|---|---|---|"]
+    for lr in lrs:
+        run = head_learning(grouped, scores, lr, batch_prompts)
+        first, last = run["loss"][:size], run["loss"][-size:]
+        lines.append(f"| {lr:g} | " + " / ".join(f"{c:.2f}" for c in run["corr"])
+                     + f" | {sum(first) / len(first):.3f} / {sum(last) / len(last):.3f} |")
+    return "\n".join(lines)
 
 
 def table(values: list, scores: list, lams: list, gamma: float) -> str:
@@ -129,13 +186,19 @@ def main(argv=None) -> int:
     parser.add_argument("--answers", required=True, help="a collect_comparisons.py output folder (its answers.jsonl)")
     parser.add_argument("--critic", required=True, help="a step-2 folder: the critic's start, as step 3 builds it")
     parser.add_argument("--reward_fn", default=GUARDED, help="step 3's --reward_fn: the score of each answer")
-    parser.add_argument("--split", choices=("train", "eval"), default="train", help="answers.jsonl's prompts")
+    parser.add_argument("--split", choices=("train", "eval", "all"), default="train",
+                        help="answers.jsonl's prompts (all: train, then eval)")
     parser.add_argument("--prompts", type=int, default=40, help="the first this many prompts of the split")
     parser.add_argument("--lams", type=float, nargs="+", default=[0.95, 1.0], help="GAE λ values (step 3's --lam)")
     parser.add_argument("--gamma", type=float, default=1.0, help="step 3's --gamma")
     parser.add_argument("--apply_chat_template", action=argparse.BooleanOptionalAction, default=True,
                         help="the answers' prompts in the critic's chat template (as the collection and step 3 had "
                              "them with --apply_chat_template)")
+    parser.add_argument("--head_lrs", type=float, nargs="*", default=[], metavar="LR",
+                        help="also train a value head from 0 on the backbone's states at each of these learning "
+                             "rates (0 included for the untrained head) and show whether a baseline forms")
+    parser.add_argument("--batch_prompts", type=int, default=4, help="prompts a critic update (--head_lrs; step 3's "
+                        "--per_device_generation_batch_size)")
     args = parser.parse_args(argv)
     from step2_reward_model_finetuning.collect_comparisons import earlier_answers
     from utils.data.chat_template import chat_format
@@ -145,9 +208,13 @@ def main(argv=None) -> int:
 
     if args.prompts < 1:
         raise UserInputError("--prompts must be ≥ 1")
+    if args.head_lrs and args.prompts < args.batch_prompts:
+        raise UserInputError(f"--head_lrs needs --prompts ≥ --batch_prompts ({args.batch_prompts})")
     if not os.path.isfile(os.path.join(args.answers, "answers.jsonl")):
         raise UserInputError(f"--answers {args.answers}: no answers.jsonl (a collect_comparisons.py folder)")
-    records = earlier_answers(args.answers)[args.split][:args.prompts]
+    found = earlier_answers(args.answers)
+    records = [r for split in (("train", "eval") if args.split == "all" else (args.split,)) for r in found[split]]
+    records = records[:args.prompts]
     if not records:
         raise UserInputError(f"--answers {args.answers}: no {args.split} answers")
     path, _, name = args.reward_fn.rpartition(":")
@@ -159,8 +226,12 @@ def main(argv=None) -> int:
     start = time.time()
     critic, tokenizer = load_reward_model(args.critic, "cpu", apply_chat_template=args.apply_chat_template)
     chat = chat_format(tokenizer) if args.apply_chat_template else None
-    values = critic_values(critic, tokenizer, chat, records)
+    states = critic_states(critic, tokenizer, chat, records)
+    with torch.no_grad():
+        values = [critic.v_head(h).squeeze(-1) for h in states]
     print(table(values, scores, args.lams, args.gamma))
+    if args.head_lrs:
+        print("\n" + head_table(states, scores, args.head_lrs, args.batch_prompts))
     print(f"({time.time() - start:.0f} s; critic {args.critic}, reward {args.reward_fn})")
     return 0
 

@@ -51,3 +51,36 @@ def test_signal_by_position_by_hand(bench):
 def test_pearson_of_a_constant_is_zero_not_nan(bench):
     assert bench.pearson(torch.ones(4), torch.arange(4.0)) == 0.0
     assert bench.pearson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.0])) == pytest.approx(1.0)
+
+
+def test_head_learning_first_update_by_hand(bench):
+    # one prompt, two answers of one action each: states (1, 0) scored 1 and (0, 1) scored 0. Before the update the
+    # head is 0: advantages = scores (1, 0) against centred (0.5, −0.5): corr 1; value loss ½·mean(1², 0²) = 0.25.
+    # The loss's gradient at 0 is −mean(G·h) = (−0.5, 0); AdamW's first step moves each weight by lr·sign(−grad)
+    # (m̂/√v̂ = g/|g|), a zero gradient not at all: the head ends at (lr, 0).
+    states = [[torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])]]
+    run = bench.head_learning(states, [[1.0, 0.0]], lr=0.1, batch_prompts=1)
+    assert run["corr"] == [pytest.approx(1.0)]
+    assert run["loss"] == [pytest.approx(0.25)]
+    assert torch.allclose(run["weight"], torch.tensor([0.1, 0.0]), atol=1e-6)
+
+
+def test_a_value_head_that_can_learn_a_baseline_reaches_grpos_signal(bench):
+    # Two kinds of prompt, told apart by the state's second feature: kind A's answers score 1 or 0.5 (mean 0.75),
+    # kind B's 0.5 or 0 (0.25), every action of an answer sharing its state. With values 0 the advantages are the raw
+    # scores, which carry the kind: corr with the centred scores about 1/√2 in every batch (one A, one B). A head that
+    # learns each kind's mean removes it: G − V = the centred score, corr → 1. A learning rate of 0 stays put.
+    gen = torch.Generator().manual_seed(0)
+    states, scores = [], []
+    for i in range(80):
+        kind = i % 2
+        high, low = (1.0, 0.5) if kind == 0 else (0.5, 0.0)
+        state = torch.tensor([1.0, 1.0 if kind == 0 else -1.0])
+        n = int(torch.randint(2, 5, (), generator=gen))
+        states.append([state.expand(n, 2), state.expand(n + 1, 2)])
+        scores.append([high, low])
+    still = bench.head_learning(states, scores, lr=0.0, batch_prompts=2)
+    assert still["corr"] == [pytest.approx(1 / math.sqrt(2), abs=0.02)] * 4
+    learned = bench.head_learning(states, scores, lr=0.05, batch_prompts=2)
+    assert learned["corr"][-1] > 0.97 and learned["corr"][0] < learned["corr"][-1]
+    assert learned["loss"][-1] < still["loss"][-1] / 4

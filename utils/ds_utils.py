@@ -6,6 +6,8 @@ micro batch × world size × gradient accumulation.
 """
 from __future__ import annotations
 
+import math
+
 from utils.arguments import ADAM_BETAS
 
 GLOBAL_BATCH_SIZE = 32  # placeholders, overwritten by the caller like the reference
@@ -197,7 +199,7 @@ def bf16_master_step(params16: list, masters: list, optimizer, clip_grad: float,
         return 0.0
     grads16 = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params16]
     norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads16, 2.0, dtype=torch.float32))))
-    if norm != norm or norm in (float("inf"), float("-inf")):
+    if not math.isfinite(norm):
         return norm
     flat = torch.empty(sum(m.numel() for m in masters), dtype=torch.float32, device=masters[0].device)
     grads32 = [g.view_as(m) for g, m in zip(flat.split([m.numel() for m in masters]), masters)]
@@ -238,7 +240,7 @@ def _fused_unfused_optimizer():
                 norm = bf16_master_step(params16, masters, self.optimizer, self.clip_grad,
                                         self.loss_scale_config.cur_scale)
                 self._global_grad_norm = norm
-                if norm != norm or norm in (float("inf"), float("-inf")):
+                if not math.isfinite(norm):
                     return self._skip_invalid_grad_norm()  # what DeepSpeed's step does on an inf/NaN gradient
                 self.overflow = False
                 self._update_scale(False)
