@@ -106,15 +106,19 @@ def critic_states(critic, tokenizer, chat, records: list) -> list:
     return states
 
 
-def head_learning(states: list, scores: list, lr: float, batch_prompts: int = 4, stretches: int = 4) -> dict:
+STRETCHES = 4  # --head_lrs: the runs of batches whose correlations are averaged, start to end
+
+
+def head_learning(states: list, scores: list, lr: float, batch_prompts: int = 4, stretches: int = STRETCHES) -> dict:
     """A value head from 0 trained on frozen ``states`` as step 3 trains its critic. ``states``: one list per
     prompt of its answers' ``[A_i, H]`` states; ``scores``: the answers' scores, alike. The prompts go in batches
-    of ``batch_prompts``, in order (a collection's are in its data's shuffled order); on each, the advantages ``G − V_t`` (λ = γ = 1 at the first update:
-    the return of every action is the score) are correlated with the group-centred scores, then one AdamW step
-    (betas 0.9 0.95, no weight decay) on step 3's value loss (old values = the current ones: the clip is idle).
+    of ``batch_prompts``, in order (a collection's are in its data's shuffled order). On each batch the advantages
+    ``G − V_t`` (λ = γ = 1 at the first update: every action's return is the score) are correlated with the
+    group-centred scores, then one AdamW step (betas 0.9 0.95, no weight decay) is taken on step 3's value loss
+    (old values = the current ones: its clip is idle).
 
-    Returns ``{"corr": [the mean correlation in each of `stretches` runs of batches], "loss": [value loss of each
-    batch, before its update], "weight": [H] the head at the end}``."""
+    Returns ``{"corr": [the mean correlation in each of ``stretches`` runs of batches], "loss": [each batch's value
+    loss, before its update], "weight": [H] the head at the end}``."""
     from utils.rl_math import critic_loss
 
     batches = [range(i, i + batch_prompts) for i in range(0, len(states) - batch_prompts + 1, batch_prompts)]
@@ -143,7 +147,7 @@ def head_table(states: list, scores: list, lrs: list, batch_prompts: int) -> str
     sizes = [len(group) for group in scores]
     grouped = [states[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
     batches = len(scores) // batch_prompts
-    size = -(-batches // 4)
+    size = -(-batches // STRETCHES)
     spans = " / ".join(f"{i + 1}–{min(i + size, batches)}" for i in range(0, batches, size))
     lines = [f"| value head lr | corr(G − V, centred score), batches {spans} | value loss, first / last batches |",
              "|---|---|---|"]

@@ -363,8 +363,11 @@ def test_the_whole_path_runs_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     advantages = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(advantages)
     capsys.readouterr()
-    assert advantages.main(["--answers", paths["comparisons"], "--critic", paths["reward"], "--prompts", "3"]) == 0
+    assert advantages.main(["--answers", paths["comparisons"], "--critic", paths["reward"], "--prompts", "3",
+                            "--head_lrs", "0", "0.001", "--batch_prompts", "1"]) == 0
     table = capsys.readouterr().out
+    assert "| value head lr | corr(G − V, centred score), batches 1–1 / 2–2 / 3–3 |" in table, table
+    assert "\n| 0 | " in table and "\n| 0.001 | " in table
     assert all(f"| {critic} | {lam} | " in table for critic in ("step-2 weights (DeepSpeed-Chat's start)",
                                                                    "values 0 (an untrained value head)")
                for lam in ("0.95", "1")), table
