@@ -250,7 +250,7 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils.distributed import init_distributed
+from utils.distributed import end_distributed, init_distributed
 from utils.generation import GenerationCopy, StaticGenerator
 from utils.model.model_utils import create_hf_model, load_hf_tokenizer, release_zero3_params
 from utils.training import OptimConfig, make_engine, train_ds_config
@@ -283,6 +283,7 @@ sys.stdout.write("RESULT " + json.dumps({"rank": rank, "sliced": sliced, "equal"
                                          "tied": copy.module.lm_head.weight is copy.module.model.embed_tokens.weight,
                                          "same_copy_on_both": bool(torch.equal(both[0], both[1]))}) + "\n")
 sys.stdout.flush()
+end_distributed()  # as run_main does: gloo's threads let go of the all_gather before Python exits
 """
 
 

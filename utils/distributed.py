@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import threading
+import time
 
 import torch
 
@@ -87,8 +89,6 @@ def _build_lock_in_use(lock: str) -> bool:
 def _remove_if_stale(lock: str, min_age_s: float, log=None, why: str = "a compile killed before it finished") -> bool:
     """Remove ``lock`` when it is older than ``min_age_s`` and no live process owns it (checked twice, a moment
     apart, on the same file: an owner releasing it closes it just before deleting it); True if removed."""
-    import time
-
     try:
         first = os.stat(lock)
     except OSError:
@@ -137,8 +137,6 @@ def guard_build_locks(log=None) -> None:
     for another process's ``lock`` (torch's ``FileBaton.wait`` polls until the file is gone), every few seconds
     the lock is checked; once its owner is dead (:func:`_build_lock_in_use`) it is removed, with one line, and the
     build starts again here (torch's ``_jit_compile`` retried). Installed once per process; idempotent."""
-    import time
-
     from torch.utils import cpp_extension, file_baton
 
     if _GUARD["installed"]:
@@ -206,6 +204,22 @@ def init_distributed(args) -> torch.device:
         device = torch.device(accelerator.device_name(args.local_rank))
     args.global_rank = torch.distributed.get_rank()
     return device
+
+
+def end_distributed(settle_s: float = 0.1) -> None:
+    """Tear the process group down once a run has finished (no-op without one), while Python is still alive.
+
+    Without it a CPU run could abort as it exits ("terminate called without an active exception", SIGABRT, and the
+    launcher reports the finished run failed): gloo's worker thread lets go of a finished collective, and with it
+    the Python tensors it was given, a moment after the caller's ``wait`` returned; if the interpreter is
+    finalizing by then, the thread's taking the GIL ends it inside a ``noexcept`` destructor. A group nothing else
+    holds joins its threads when destroyed; one DeepSpeed still holds (its ZeRO groups) keeps them, so this also
+    gives them ``settle_s`` without the GIL to finish. Torch 2.13 CPU, two gloo ranks: about 1 exit in 5 aborted
+    after a waited ``all_gather``, 4 in 5 with collectives left running."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        gc.collect()  # groups held only by reference cycles go now, joining their threads
+        time.sleep(settle_s)
 
 
 def skip_shm_op() -> None:

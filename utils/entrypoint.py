@@ -78,6 +78,7 @@ def run_main(main: Callable, args, imports=("torch",)) -> None:
         entry_script = raise_on_ctrl_c()  # the run starts: Ctrl-C now says where it stopped
         main(args)
         if entry_script:
+            _end_distributed()
             exit_quietly_on_ctrl_c(ENDED)  # the interpreter's shutdown: no traceback from an atexit handler
     except (UserInputError, TrainingDiverged) as e:
         print(error_line(e), file=sys.stderr, flush=True)
@@ -99,6 +100,15 @@ def run_main(main: Callable, args, imports=("torch",)) -> None:
         if _rank() == 0:
             print(f"\n{interrupt_message(e)}", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
+
+
+def _end_distributed() -> None:
+    """A run that finished: its process group, if it made one, goes while Python is alive (see
+    :func:`utils.distributed.end_distributed`). A tool that never loaded torch has none, and loads nothing here."""
+    if "torch" in sys.modules:
+        from utils.distributed import end_distributed
+
+        end_distributed()
 
 
 def run_script(main: Callable[[], "int | None"], imports=()) -> None:
