@@ -117,8 +117,9 @@ def head_learning(states: list, scores: list, lr: float, batch_prompts: int = 4,
     group-centred scores, then one AdamW step (betas 0.9 0.95, no weight decay) is taken on step 3's value loss
     (old values = the current ones: its clip is idle).
 
-    Returns ``{"corr": [the mean correlation in each of ``stretches`` runs of batches], "loss": [each batch's value
-    loss, before its update], "weight": [H] the head at the end}``."""
+    Returns ``{"corr": [the mean correlation in each of ``stretches`` runs of batches], "spans": [each run's
+    ``(first, end)`` batch indices, end excluded], "loss": [each batch's value loss, before its update], "weight":
+    [H] the head at the end}``."""
     from utils.rl_math import critic_loss
 
     batches = [range(i, i + batch_prompts) for i in range(0, len(states) - batch_prompts + 1, batch_prompts)]
@@ -138,22 +139,22 @@ def head_learning(states: list, scores: list, lr: float, batch_prompts: int = 4,
         loss.backward()
         optimizer.step()
     size = -(-len(corrs) // stretches)
-    return {"corr": [sum(part) / len(part) for part in (corrs[i:i + size] for i in range(0, len(corrs), size))],
-            "loss": losses, "weight": weight.detach()}
+    spans = [(i, min(i + size, len(corrs))) for i in range(0, len(corrs), size)]
+    return {"corr": [sum(corrs[i:j]) / (j - i) for i, j in spans], "spans": spans, "loss": losses,
+            "weight": weight.detach()}
 
 
 def head_table(states: list, scores: list, lrs: list, batch_prompts: int) -> str:
     """The markdown table of :func:`head_learning` for each learning rate of ``lrs``."""
     sizes = [len(group) for group in scores]
     grouped = [states[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]
-    batches = len(scores) // batch_prompts
-    size = -(-batches // STRETCHES)
-    spans = " / ".join(f"{i + 1}–{min(i + size, batches)}" for i in range(0, batches, size))
-    lines = [f"| value head lr | corr(G − V, centred score), batches {spans} | value loss, first / last batches |",
+    runs = [head_learning(grouped, scores, lr, batch_prompts) for lr in lrs]
+    spans = runs[0]["spans"]  # the same batches for every learning rate
+    names = " / ".join(f"{i + 1}–{j}" for i, j in spans)
+    lines = [f"| value head lr | corr(G − V, centred score), batches {names} | value loss, first / last stretch |",
              "|---|---|---|"]
-    for lr in lrs:
-        run = head_learning(grouped, scores, lr, batch_prompts)
-        first, last = run["loss"][:size], run["loss"][-size:]
+    for lr, run in zip(lrs, runs):
+        first, last = (run["loss"][slice(*span)] for span in (spans[0], spans[-1]))
         lines.append(f"| {lr:g} | " + " / ".join(f"{c:.2f}" for c in run["corr"])
                      + f" | {sum(first) / len(first):.3f} / {sum(last) / len(last):.3f} |")
     return "\n".join(lines)

@@ -60,7 +60,7 @@ def test_head_learning_first_update_by_hand(bench):
     # (m̂/√v̂ = g/|g|), a zero gradient not at all: the head ends at (lr, 0).
     states = [[torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])]]
     run = bench.head_learning(states, [[1.0, 0.0]], lr=0.1, batch_prompts=1)
-    assert run["corr"] == [pytest.approx(1.0)]
+    assert run["corr"] == [pytest.approx(1.0)] and run["spans"] == [(0, 1)]
     assert run["loss"] == [pytest.approx(0.25)]
     assert torch.allclose(run["weight"], torch.tensor([0.1, 0.0]), atol=1e-6)
 
@@ -81,6 +81,7 @@ def test_a_value_head_that_can_learn_a_baseline_reaches_grpos_signal(bench):
         scores.append([high, low])
     still = bench.head_learning(states, scores, lr=0.0, batch_prompts=2)
     assert still["corr"] == [pytest.approx(1 / math.sqrt(2), abs=0.02)] * 4
+    assert still["spans"] == [(0, 10), (10, 20), (20, 30), (30, 40)]  # 40 batches of 2 prompts, 4 stretches
     learned = bench.head_learning(states, scores, lr=0.05, batch_prompts=2)
     assert learned["corr"][-1] > 0.97 and learned["corr"][0] < learned["corr"][-1]
     assert learned["loss"][-1] < still["loss"][-1] / 4
