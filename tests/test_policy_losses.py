@@ -178,6 +178,8 @@ def test_overlong_penalty_by_hand():
     # cap 8, buffer 4: free up to 4 tokens, then (4 − |y|) / 4: 5 → −0.25, 6 → −0.5, 8 → −1
     assert torch.equal(overlong_penalty(torch.tensor([1, 4, 5, 6, 7, 8]), 8, 4), t([0, 0, -0.25, -0.5, -0.75, -1]))
     assert torch.equal(overlong_penalty(torch.tensor([8]), 8, 0), t([0.0]))  # 0: off
+    # buffer 1: only an answer that reaches the cap (no end token within it) pays, the whole −1: a missing-EOS penalty
+    assert torch.equal(overlong_penalty(torch.tensor([1, 6, 7, 8]), 8, 1), t([0, 0, 0, -1]))
     with pytest.raises(ValueError, match="overlong buffer"):
         overlong_penalty(torch.tensor([3]), 8, 9)
 
