@@ -934,7 +934,8 @@ def main(argv=None):
         if row in ("ppo_fn", "ppo"):  # the proxy (step 3's mean reward) against the target (held-out compliance)
             proxy_plot(metrics_curve(os.path.join(out, "metrics.jsonl"), "train", "reward"),
                        {s: p["strict"] for s, p in curve.items()}, os.path.join(opts.work, f"{row}_proxy.png"),
-                       label="reward model's mean score" if row == "ppo" else "checker's mean reward")
+                       label=("reward model's mean score" if row == "ppo" else "checker's mean reward")
+                       + (" + overlong penalty" if opts.overlong_penalty or "--overlong_penalty" in opts.ppo_args else ""))
     print("\n" + table(results) + "\n")
     plot({ROW_NAMES[name]: curve for name, curve in results.get("curve", {}).items()},
          os.path.join(opts.work, "real_rl.png"))
