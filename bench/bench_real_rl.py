@@ -30,8 +30,8 @@ Rows:
   type, beside step 2's eval curve; and best-of-``--best_of`` on the held-out sets (the base model's sampled
   answers, the reward model's pick of each prompt), scored as the greedy answers are;
 * ``ppo``: DeepSpeed-Chat's whole path: that reward model → step 3 PPO against it alone (no checker in the
-  reward), evaluated every ``--eval_every`` steps, its best checkpoint by held-out strict compliance named in
-  results.json, and ``WORK/ppo_proxy.png``: the reward model's mean score (step 3's metrics.jsonl) and the
+  reward), evaluated every ``--eval_every`` steps, its best checkpoint named in results.json (the highest held-out
+  strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``: the reward model's mean score (step 3's metrics.jsonl) and the
   held-out compliance against the step. ``--ppo_args`` adds step-3 flags to both PPO rows (GAE λ and γ, value
   clipping, ...; ``--critic_lr`` the critic's learning rate).
 
@@ -89,6 +89,7 @@ LENGTH_TYPES = ("length_constraints:number_words",)  # constraints that limit le
 # the tuned reward (GRPO, TRL and the PPO path's labeller): a file's function, from the repository's root, where the
 # steps run (utils.reward_functions.load_reward_fn)
 GUARDED = "bench/ifeval_reward.py:ifeval_guarded"
+F1_GUARD, BARE_GUARD = 0.9, 0.05  # the content guards: F1 at least 90 % of the base's, at most 5 % bare answers
 RM_LABELS = {"guarded": GUARDED, "kept": "bench/ifeval_reward.py:ifeval_kept"}  # the rm row's --rm_label
 EXAMPLES = 3  # answers shown before and after
 
@@ -506,13 +507,23 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     return result
 
 
+def guards_hold(point: dict, base: dict) -> bool:
+    """Whether a held-out point keeps the content guards against the base model's (step 0): F1 at least
+    ``F1_GUARD`` of the base's and at most ``BARE_GUARD`` bare answers."""
+    return point["f1"] >= F1_GUARD * base["f1"] and point["bare"] <= BARE_GUARD
+
+
 def best_point(curve: dict) -> dict:
-    """``{"step", "strict"}`` of a row's best held-out point after step 0 (the first of equals), or ``{}``."""
+    """``{"step", "strict", "guards"}`` of a row's best held-out point after step 0 (the first of equals), or ``{}``:
+    the highest strict compliance among the points that keep the guards against step 0 (``"guards": True``); when
+    none does, or there is no step 0 to judge by, the highest of all (``"guards"`` False or None)."""
     steps = sorted((int(s) for s in curve if int(s) > 0))
     if not steps:
         return {}
-    step = max(steps, key=lambda s: (curve[str(s)]["strict"], -s))
-    return {"step": step, "strict": curve[str(step)]["strict"]}
+    base = curve.get("0")
+    held = [s for s in steps if base is not None and guards_hold(curve[str(s)], base)]
+    step = max(held or steps, key=lambda s: (curve[str(s)]["strict"], -s))
+    return {"step": step, "strict": curve[str(step)]["strict"], "guards": bool(held) if base is not None else None}
 
 
 def trl_checkpoints(out: str) -> dict:
@@ -596,7 +607,8 @@ def table(results: dict) -> str:
     for name in rows:
         best = results[name].get("best")
         if best:
-            lines.append(f"{name}: best held-out point step {best['step']} (strict {best['strict']:.3f}): "
+            guards = {True: ", guards held", False: "; no point held the guards"}.get(best.get("guards"), "")
+            lines.append(f"{name}: best held-out point step {best['step']} (strict {best['strict']:.3f}{guards}): "
                          f"{best['checkpoint']}")
     return "\n".join(lines)
 
@@ -688,8 +700,8 @@ def plot(curves: dict, path: str) -> list:
     base = next((curve["0"] for curve in curves.values() if "0" in curve), None)
     if base is not None:  # the issue's targets, grey: what each panel's lines must clear
         for ax, level, text in ((axes[0], base["strict"] + 0.20, "target: base + 20 points"),
-                                (axes[1], 0.9 * base["f1"], "guard: 90 % of the base"),
-                                (axes[2], 0.05, "guard: at most 5 %")):
+                                (axes[1], F1_GUARD * base["f1"], f"guard: {F1_GUARD:.0%} of the base"),
+                                (axes[2], BARE_GUARD, f"guard: at most {BARE_GUARD:.0%}")):
             ax.axhline(level, color="grey", linestyle="--", linewidth=1)
             ax.annotate(text, (0, level), textcoords="offset points", xytext=(2, 3), fontsize=7, color="grey")
     for ax, title in zip(axes, ("strict compliance (held out)", "unigram F1 vs alpaca's answer",

@@ -239,8 +239,19 @@ def test_the_reward_models_measures_by_hand(tmp_path, monkeypatch):
     point = {"f1": 0.2, "length": 50.0, "bare": 0.0}
     curve = {"0": dict(point, strict=0.9), "10": dict(point, strict=0.45), "20": dict(point, strict=0.5),
              "30": dict(point, strict=0.5)}
-    assert bench.best_point(curve) == {"step": 20, "strict": 0.5}  # after step 0; the first of equals
+    assert bench.best_point(curve) == {"step": 20, "strict": 0.5, "guards": True}  # after step 0; the first of equals
     assert bench.best_point({"0": curve["0"]}) == {}
+    # the guards against step 0 (F1 0.25, so at least 0.225; at most 5 % bare): step 40 gains more but breaks both,
+    # step 20 holds them (F1 0.23 ≥ 0.225, bare 0.05 ≤ 0.05), step 30 breaks F1 alone (0.22 < 0.225)
+    base = {"strict": 0.4, "f1": 0.25, "length": 64.0, "bare": 0.02}
+    run = {"0": base, "20": {"strict": 0.44, "f1": 0.23, "length": 68.0, "bare": 0.05},
+           "30": {"strict": 0.50, "f1": 0.22, "length": 60.0, "bare": 0.03},
+           "40": {"strict": 0.55, "f1": 0.20, "length": 46.0, "bare": 0.08}}
+    assert bench.best_point(run) == {"step": 20, "strict": 0.44, "guards": True}
+    del run["20"]  # no point holds the guards: the highest strict, said so
+    assert bench.best_point(run) == {"step": 40, "strict": 0.55, "guards": False}
+    del run["0"]  # nothing to judge the guards by
+    assert bench.best_point(run) == {"step": 40, "strict": 0.55, "guards": None}
     png = tmp_path / "proxy.png"
     bench.proxy_plot({"1": -0.25, "2": 0.5}, {"0": 0.4, "2": 0.45}, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -270,6 +281,8 @@ def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypat
     assert "| `no_comma` (4) | 0.50 / 0.25 | 0.50 / 0.25 | 0.50 / 0.25 |" in text
     assert "reward model: pair accuracy 0.800 on 500 eval pairs" in text and "no_comma 0.80 (500)" in text
     assert "ppo: best held-out point step 20 (strict 0.520): w/ppo/checkpoints/step-20" in text
+    results["ppo"]["best"]["guards"] = False
+    assert "step 20 (strict 0.520; no point held the guards): w/ppo" in bench.table(results)
 
 
 # --------------------------------------------------------------------------- pairs and best of n on the tiny model
