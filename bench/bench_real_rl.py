@@ -31,8 +31,9 @@ Rows:
   answers, the reward model's pick of each prompt), scored as the greedy answers are;
 * ``ppo``: DeepSpeed-Chat's whole path: that reward model → step 3 PPO against it alone (no checker in the
   reward), evaluated every ``--eval_every`` steps, its best checkpoint named in results.json (the highest held-out
-  strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``: the reward model's mean score (step 3's metrics.jsonl) and the
-  held-out compliance against the step. ``--ppo_args`` adds step-3 flags to both PPO rows (GAE λ and γ, value
+  strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``:
+  the reward model's mean score (step 3's metrics.jsonl, before any overlong penalty) and the held-out compliance
+  against the step. ``--ppo_args`` adds step-3 flags to both PPO rows (GAE λ and γ, value
   clipping, ...; ``--critic_lr`` the critic's learning rate).
 
 The held-out evaluation (:func:`evaluate`, greedy, the chat template, the training's 128 tokens) of each model:
@@ -445,6 +446,17 @@ def metrics_curve(path: str, phase: str, key: str) -> dict:
     return {str(r["step"]): r[key] for r in read_jsonl(path) if r.get("phase") == phase and key in r}
 
 
+def proxy_curve(path: str, row: str) -> tuple:
+    """``({step: reward}, label)``: the proxy a PPO row's step 3 trained on (its ``metrics.jsonl`` at ``path``), the
+    reward model's score (``ppo``) or the checker's (``ppo_fn``), before any ``--overlong_penalty`` (its
+    ``task_reward``); a log without that metric gives its ``reward``, labelled as possibly holding the penalty."""
+    label = "reward model's mean score" if row == "ppo" else "checker's mean reward"
+    task = metrics_curve(path, "train", "task_reward")
+    if task:
+        return task, label
+    return metrics_curve(path, "train", "reward"), label + " (+ any overlong penalty)"
+
+
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
     """``(answers, scores)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (temperature 1, the
     training's answer length, seeded with ``--seed``), the one the reward model scores highest, and the reward
@@ -650,9 +662,9 @@ def seeds_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def proxy_plot(reward: dict, heldout: dict, path: str, label: str = "reward model's mean score") -> None:
-    """The proxy against the target: step 3's mean training reward (``reward``, ``{step: score}`` from its
-    metrics.jsonl: the reward model's score in the ``ppo`` row) and the held-out strict compliance (``heldout``,
+def proxy_plot(reward: dict, label: str, heldout: dict, path: str) -> None:
+    """The proxy against the target: step 3's mean training reward (``reward``, ``{step: score}``, and its ``label``:
+    :func:`proxy_curve`) and the held-out strict compliance (``heldout``,
     ``{step: strict}``) against the RL step, on two axes: where the first rises and the second does not, PPO has
     found what the reward model pays for beyond what the checker does."""
     import matplotlib
@@ -944,10 +956,8 @@ def main(argv=None):
                 results[row]["best"] = best
                 save()
         if row in ("ppo_fn", "ppo"):  # the proxy (step 3's mean reward) against the target (held-out compliance)
-            proxy_plot(metrics_curve(os.path.join(out, "metrics.jsonl"), "train", "reward"),
-                       {s: p["strict"] for s, p in curve.items()}, os.path.join(opts.work, f"{row}_proxy.png"),
-                       label=("reward model's mean score" if row == "ppo" else "checker's mean reward")
-                       + (" + overlong penalty" if opts.overlong_penalty or "--overlong_penalty" in opts.ppo_args else ""))
+            proxy_plot(*proxy_curve(os.path.join(out, "metrics.jsonl"), row),
+                       {s: p["strict"] for s, p in curve.items()}, os.path.join(opts.work, f"{row}_proxy.png"))
     print("\n" + table(results) + "\n")
     plot({ROW_NAMES[name]: curve for name, curve in results.get("curve", {}).items()},
          os.path.join(opts.work, "real_rl.png"))

@@ -245,8 +245,8 @@ class PPOConfig:
                "group's statistics.", group=DAPO)
     overlong_penalty: int = knob(  # DAPO's soft length penalty over the last this many tokens before the cap (0: off)
         0, "DAPO's soft overlong penalty, added to the score: 0 up to --max_answer_seq_len − L tokens, then falling "
-           "linearly to −1 at --max_answer_seq_len (0 = off; 1 = only the answers cut at the cap pay, a missing-end-token "
-           "penalty).", group=DAPO, metavar="L")
+           "linearly to −1 at --max_answer_seq_len (0 = off; 1 = only the answers cut at the cap pay, a "
+           "missing-end-token penalty). The score before it is logged as task_reward.", group=DAPO, metavar="L")
     overlong_penalty_weight: float = knob(  # its weight in the score: −weight at the cap (DAPO: 1)
         1.0, "The overlong penalty's weight in the score: it falls to −W at --max_answer_seq_len (default: DAPO's 1; "
              "TRL's reward_weights for get_soft_overlong_punishment).", group=DAPO, metavar="W",

@@ -84,11 +84,14 @@ class TrainStats:
 
 
 def summarize_rollout(rollout) -> dict:
-    """Per-rank sums over kept answers for logging: count, reward, answer length, answers cut at the length cap and
-    (with a reference model) KL (k3: never negative)."""
+    """Per-rank sums over kept answers for logging: count, reward, answer length, answers cut at the length cap,
+    (with a reference model) KL (k3: never negative) and (with ``--overlong_penalty``) the reward before the
+    penalty."""
     valid = rollout.valid.float()
     sums = {"kept": valid.sum(), "reward_sum": (rollout.scores.float() * valid).sum(),
             "answer_len_sum": (rollout.answer_len.float() * valid).sum()}
+    if rollout.task_scores is not None:
+        sums["task_reward_sum"] = (rollout.task_scores.float() * valid).sum()
     if rollout.truncated is not None:
         sums["truncated_sum"] = (rollout.truncated.float() * valid).sum()
     if rollout.ref_logprobs is not None:
@@ -98,11 +101,13 @@ def summarize_rollout(rollout) -> dict:
 
 
 def all_reduce_metrics(rollout, stats: TrainStats) -> dict:
-    """Rank-averaged step metrics: reward, answer length, the share cut at the length cap and (with a reference
-    model) KL (k3) over the kept answers of every rank, the mean of each loss, and (when the actor trained) the policy
+    """Rank-averaged step metrics: reward, answer length, the share cut at the length cap, (with a reference
+    model) KL (k3) and (with ``--overlong_penalty``) ``task_reward``, the reward before it, over the kept answers of
+    every rank, the mean of each loss, and (when the actor trained) the policy
     statistics over every rank's counted tokens (``ratio_max`` the largest of any rank)."""
     sums = summarize_rollout(rollout)
-    names = [k for k in ("kept", "reward_sum", "answer_len_sum", "truncated_sum", "kl_sum") if k in sums]
+    names = [k for k in ("kept", "reward_sum", "answer_len_sum", "truncated_sum", "kl_sum", "task_reward_sum")
+             if k in sums]
     loss_names = sorted(name for name in stats.losses if name.endswith("_loss"))
     policy = stats.policy
     policy_names = ["tokens", "clip_low", "clip_high", "ratio_sum", "entropy_sum"] if policy.batches else []
@@ -175,6 +180,8 @@ def step_line(epoch: int, step: int, metrics: dict) -> str:
         if key in metrics:
             parts.append(f"{label}: {metrics[key]:.4f}")
     parts += [f"Average reward: {metrics['reward']:.4f}", f"EMA reward: {metrics['ema_reward']:.4f}"]
+    if "task_reward" in metrics:  # --overlong_penalty: the reward before it
+        parts.append(f"before the overlong penalty: {metrics['task_reward']:.4f}")
     if "kl" in metrics:
         parts.append(f"KL: {metrics['kl']:.4f}")
     parts += [f"answer length: {metrics['answer_len']:.1f}", f"dropped: {metrics['dropped']:.0f}"]

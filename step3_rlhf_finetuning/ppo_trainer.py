@@ -375,8 +375,8 @@ class DeepSpeedPPOTrainer:
         """``[B]`` float32 rewards: the reward model's end score, the reward function's score, or
         ``RM + --reward_fn_weight · fn`` (:class:`~step3_rlhf_finetuning.config.RewardConfig`); plus, with
         ``--overlong_penalty L``, DAPO's soft length penalty (:func:`utils.rl_math.overlong_penalty`) of the answer's
-        tokens, its end token included, times ``--overlong_penalty_weight``. The score before that penalty is kept as
-        ``rollout.task_scores`` (``--dynamic_sampling`` filters on it)."""
+        tokens, its end token included, times ``--overlong_penalty_weight``. With the penalty, the score before it is
+        kept as ``rollout.task_scores`` (``--dynamic_sampling`` filters on it; logged as ``task_reward``)."""
         from utils.reward_functions import call_reward_fn
 
         start = time.time()
@@ -390,8 +390,8 @@ class DeepSpeedPPOTrainer:
             scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)
             weight = 1.0 if self.reward.fn_weight is None else self.reward.fn_weight
             total += weight * torch.tensor(scores, dtype=torch.float32, device=total.device)
-        rollout.task_scores = total.clone()
         if self.ppo.overlong_penalty:
+            rollout.task_scores = total.clone()
             lengths = rollout.attention_mask[:, rollout.prompt_length:].sum(dim=1)
             penalty = overlong_penalty(lengths, self.max_answer_seq_len, self.ppo.overlong_penalty)
             total += self.ppo.overlong_penalty_weight * penalty.to(total.device)

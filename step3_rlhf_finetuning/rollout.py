@@ -39,8 +39,9 @@ class Rollout:
     answers            list       the decoded answers (reward functions, --print_answers)
     values             [B, A]     critic values V_old of the state before each action (gae only)
     scores             [B]        the answer's reward (:meth:`DeepSpeedPPOTrainer.score`)
-    task_scores        [B]        the reward before ``--overlong_penalty``: what ``--dynamic_sampling`` filters on
-                                  (DAPO filters on accuracy, not on length); None once filtered
+    task_scores        [B]        the reward before ``--overlong_penalty`` (None without it): what
+                                  ``--dynamic_sampling`` filters on (DAPO filters on accuracy, not on length), and
+                                  what step 3 logs as ``task_reward``
     advantages         [B, A]     per-action advantages (0 outside the action mask)
     returns            [B, A]     GAE returns, the critic's targets (gae only)
     =================  =========  ================================================================
@@ -333,8 +334,9 @@ class RoundCollector:
             keep = informative_groups(clipped, G, rollout.valid).to(rollout.input_ids.device)
         else:  # nothing was scored: every group is one to fill with
             rollout.scores = torch.zeros(len(rollout), dtype=torch.float32, device=rollout.input_ids.device)
+            if ppo.overlong_penalty:  # as every scored part has it, so the round's parts concatenate
+                rollout.task_scores = rollout.scores.clone()
             keep = torch.zeros(groups, dtype=torch.bool, device=rollout.input_ids.device)
-        rollout.task_scores = None  # read: the round's parts all leave it out
         kept, dropped = keep.nonzero().reshape(-1), (~keep).nonzero().reshape(-1)
         taken = kept[:max(self.target - self.kept_groups, 0)]
         if len(taken):

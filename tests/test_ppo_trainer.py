@@ -613,7 +613,8 @@ def test_rollout_cat_slices_and_checkpoint_state():
     assert [len(m) for m in micro] == [4, 2] and torch.equal(micro[1].advantages, b.advantages[1:])
     assert micro[0].values is not None and micro[0].answers == a.answers + b.answers[:1]
     state = both.state()
-    assert all(torch.is_tensor(v) or isinstance(v, (list, dict, int)) for v in state.values())
+    assert all(v is None or torch.is_tensor(v) or isinstance(v, (list, dict, int)) for v in state.values())
+    assert state["task_scores"] is None  # no --overlong_penalty: nothing but the score to keep
     again = Rollout.from_state(state)
     assert torch.equal(again.input_ids, both.input_ids) and again.rows == both.rows
 

@@ -253,8 +253,21 @@ def test_the_reward_models_measures_by_hand(tmp_path, monkeypatch):
     del run["0"]  # nothing to judge the guards by
     assert bench.best_point(run) == {"step": 40, "strict": 0.55, "guards": None}
     png = tmp_path / "proxy.png"
-    bench.proxy_plot({"1": -0.25, "2": 0.5}, {"0": 0.4, "2": 0.45}, str(png))
+    bench.proxy_plot({"1": -0.25, "2": 0.5}, "reward model's mean score", {"0": 0.4, "2": 0.45}, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_proxy_is_the_reward_before_the_overlong_penalty_when_step_3_logged_it(tmp_path, monkeypatch):
+    bench = load_bench(monkeypatch)
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"phase": "train", "step": 1, "reward": -1.5, "task_reward": -0.5},
+            {"phase": "eval", "step": 1, "reward": 9.0},
+            {"phase": "train", "step": 2, "reward": 0.0, "task_reward": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bench.proxy_curve(str(path), "ppo") == ({"1": -0.5, "2": 0.5}, "reward model's mean score")
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "task_reward"}) + "\n" for r in rows))
+    assert bench.proxy_curve(str(path), "ppo_fn") == ({"1": -1.5, "2": 0.0},
+                                                      "checker's mean reward (+ any overlong penalty)")
 
 
 def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypatch):

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from step3_rlhf_finetuning.config import PPOConfig
 from step3_rlhf_finetuning.metrics import POLICY_METRICS, PolicyStats, TrainStats, all_reduce_metrics, step_line
 from step3_rlhf_finetuning.rollout import Rollout, WholeSteps
-from tests.test_ppo_trainer import EOS, make_rollout, make_trainer
+from tests.test_ppo_trainer import EOS, PAD, make_rollout, make_trainer
 from utils.rl_math import policy_ratio, ratio_clip_sums, token_entropy
 
 LN2 = math.log(2.0)
@@ -175,6 +175,21 @@ def test_step_metrics_carry_the_policy_metrics_to_the_line():
     line = step_line(0, 1, dict(metrics, ema_reward=2.0, dropped=0))
     assert "ratio: mean 1.2500 max 2.0000, clipped: low 0.500 high 0.500, entropy: 0.5000" in line
     assert not any(k in all_reduce_metrics(rollout, TrainStats()) for k in POLICY_METRICS)  # nothing trained
+
+
+def test_with_the_overlong_penalty_the_reward_before_it_is_logged_as_task_reward():
+    """Scores 1, 2, 3; the answers have 3, 3 and 4 tokens (end token included) against a cap of 4 and the penalty
+    over the last 2 tokens (free up to 2, −0.5 a token after, weight 2): −1, −1 and −2. The reward is their mean
+    after it, (0 + 1 + 1) / 3; task_reward the mean before, 2. Without the penalty there is no task_reward."""
+    answers, scores = [[3, 4, EOS, PAD], [4, 3, EOS, PAD], [3, 3, 3, EOS]], [1.0, 2.0, 3.0]
+    trainer, _ = make_trainer(answers, scores=scores, ppo=PPOConfig(overlong_penalty=2, overlong_penalty_weight=2.0))
+    rollout = make_rollout(trainer)
+    assert_close(rollout.scores, torch.tensor([0.0, 1.0, 1.0]))
+    metrics = all_reduce_metrics(rollout, TrainStats())
+    assert metrics["reward"] == pytest.approx(2 / 3) and metrics["task_reward"] == pytest.approx(2.0)
+    assert "before the overlong penalty: 2.0000" in step_line(0, 1, dict(metrics, ema_reward=1.0, dropped=0))
+    plain = make_rollout(make_trainer(answers, scores=scores)[0])
+    assert plain.task_scores is None and "task_reward" not in all_reduce_metrics(plain, TrainStats())
 
 
 def test_a_batch_with_nothing_kept_is_said_once_and_not_scored():

@@ -149,13 +149,14 @@ def test_dynamic_sampling_filters_on_the_task_reward_before_the_length_penalty()
     assert_close(rollout.task_scores, t([1.0] * 6))
     ready, _ = RoundCollector(trainer.ppo, groups_per_batch=3).add(rollout)
     assert ready.info["groups_kept"] == 0 and ready.info["groups_filtered"] == 3  # before: groups a and c kept
-    assert ready.task_scores is None
+    assert_close(ready.task_scores, t([1.0] * 6))  # carried through the round: step 3 logs it as task_reward
     # a group that differs on the task is kept, and trains on its scores with the penalty
     rollout = trainer.generate(PROMPTS, PROMPT_MASK, ["a", "b", "c"], step=1)
     rollout.scores, rollout.task_scores = t([0.5, 0.0, 0.5, 0.5, 0.5, -1.0]), t([1, 1, 1, 1, 1, 0])
     ready, _ = RoundCollector(trainer.ppo, groups_per_batch=3).add(rollout)
     assert ready.info["groups_kept"] == 1 and ready.prompt_text[:2] == ["c", "c"]
     assert_close(ready.scores[:2], t([0.5, -1.0]))
+    assert_close(ready.task_scores[:2], t([1.0, 0.0]))
 
 
 # =========================================================================== 4. GSPO against GRPO at ratio 1

@@ -260,7 +260,9 @@ def test_each_policy_loss_end_to_end(policy_loss, untrained_reward_model, step12
     for r in train:
         assert math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"]) and 0 <= r["truncated"] <= 1
         assert ("critic_loss" in r) == (policy_loss == "cispo")
+        assert ("task_reward" in r) == (policy_loss == "ppo")  # the reward before the overlong penalty, its only run
         if policy_loss == "ppo":  # 4 groups a round on the one rank; the rest dropped or filled, all counted
+            assert r["reward"] <= r["task_reward"] + 1e-6 and "before the overlong penalty: " in log
             assert r["groups_kept"] + r["groups_filled"] == 4 and 1 <= r["sampled_batches"] <= 3
             assert r["groups_kept"] + r["groups_filtered"] + r["groups_surplus"] == 4 * r["sampled_batches"]
             assert f"groups kept: {r['groups_kept']:.0f} of" in log
