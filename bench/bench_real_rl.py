@@ -449,12 +449,10 @@ def metrics_curve(path: str, phase: str, key: str) -> dict:
 def proxy_curve(path: str, row: str) -> tuple:
     """``({step: reward}, label)``: the proxy a PPO row's step 3 trained on (its ``metrics.jsonl`` at ``path``), the
     reward model's score (``ppo``) or the checker's (``ppo_fn``), before any ``--overlong_penalty`` (its
-    ``task_reward``); a log without that metric gives its ``reward``, labelled as possibly holding the penalty."""
+    ``task_reward``, which step 3 logs whenever the penalty is on); a log without that metric had no penalty, and
+    its ``reward`` is the same thing."""
     label = "reward model's mean score" if row == "ppo" else "checker's mean reward"
-    task = metrics_curve(path, "train", "task_reward")
-    if task:
-        return task, label
-    return metrics_curve(path, "train", "reward"), label + " (+ any overlong penalty)"
+    return metrics_curve(path, "train", "task_reward") or metrics_curve(path, "train", "reward"), label
 
 
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:

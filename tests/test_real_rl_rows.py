@@ -265,9 +265,9 @@ def test_the_proxy_is_the_reward_before_the_overlong_penalty_when_step_3_logged_
             {"phase": "train", "step": 2, "reward": 0.0, "task_reward": 0.5}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert bench.proxy_curve(str(path), "ppo") == ({"1": -0.5, "2": 0.5}, "reward model's mean score")
+    # no penalty, no task_reward (step 3 logs it only with one): the reward is the proxy itself
     path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "task_reward"}) + "\n" for r in rows))
-    assert bench.proxy_curve(str(path), "ppo_fn") == ({"1": -1.5, "2": 0.0},
-                                                      "checker's mean reward (+ any overlong penalty)")
+    assert bench.proxy_curve(str(path), "ppo_fn") == ({"1": -1.5, "2": 0.0}, "checker's mean reward")
 
 
 def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypatch):
