@@ -456,18 +456,19 @@ def proxy_curve(path: str, row: str) -> tuple:
 
 
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
-    """``(answers, scores)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (temperature 1, the
-    training's answer length, seeded with ``--seed``), the one the reward model scores highest, and the reward
-    model's ``[P, N]`` scores. The reward model reads them as the collector wrote its pairs: the prompt in
-    DeepSpeed-Chat's text (the loader's own wrapping), the answer after a space, in its chat template."""
+    """``(answers, scores)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
+    ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
+    scores highest, and the reward model's ``[P, N]`` scores. The reward model reads them as the collector wrote
+    its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping), the answer after a space, in its
+    chat template."""
     from utils.answers import generate_answers
     from utils.data.chat_template import chat_format
     from utils.data.local_datasets import normalize_prompt
     from utils.model.scoring import best_of_n, score_answers
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
-    sampled = generate_answers(actor, tokenizer, wrapped, opts.answer_len, {"temperature": 1.0, "top_k": 0,
-                                                                            "top_p": 1.0},
+    sampled = generate_answers(actor, tokenizer, wrapped, opts.answer_len, {"temperature": opts.best_of_temperature,
+                                                                            "top_k": 0, "top_p": 1.0},
                                per_prompt=n, seed=opts.seed, batch_size=8, chat=fmt)
     answers = [sampled[i * n:(i + 1) * n] for i in range(len(prompts))]  # [P][N]
     scores = score_answers(reward_model, reward_tokenizer, wrapped, [[" " + a for a in row] for row in answers],
@@ -510,8 +511,10 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     reworded, _ = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
                                     [r["prompt"] for r in data["reworded"]], opts)
     result["reworded"] = score_constrained(data["reworded"], reworded)
-    n = opts.best_of
-    result.update(pair_accuracy=accuracy, best_of=n, kl_bound=math.log(n) - (n - 1) / n,  # best-of-n's KL ≤ this
+    n, temperature = opts.best_of, opts.best_of_temperature
+    if temperature == 1.0:  # best-of-n's KL to the model it samples ≤ this (at another temperature, not the base)
+        result["kl_bound"] = math.log(n) - (n - 1) / n
+    result.update(pair_accuracy=accuracy, best_of=n, best_of_temperature=temperature,
                   step2_curve=metrics_curve(os.path.join(paths["reward"], "metrics.jsonl"), "eval", "acc"),
                   seconds=time.time() - start)
     return result
@@ -795,6 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_padding_at_beginning", type=int, default=0,
                    help="steps 2 and 3's (0 for a Llama-style tokenizer, 1 for OPT's)")
     g.add_argument("--best_of", type=int, default=8, help="the rm row's answers sampled a held-out prompt")
+    g.add_argument("--best_of_temperature", type=float, default=1.0,
+                   help="the rm row's sampling temperature for those answers (lower: closer to the greedy answer's "
+                        "content, less to choose from)")
     g.add_argument("--critic_lr", type=float, default=5e-6, help="the PPO rows' critic learning rate "
                    "(DeepSpeed-Chat's 5e-6)")
     g.add_argument("--ppo_args", default="", metavar="FLAGS",
@@ -826,8 +832,9 @@ def main(argv=None):
     if unknown or not rows:
         raise UserInputError(f"--rows {opts.rows}: {', '.join(map(repr, unknown)) or 'none given'}; give "
                              f"{', '.join(ROWS[:-1])} or {ROWS[-1]} (comma-separated)")
-    if opts.best_of < 1 or opts.rm_answers < 2 or opts.rm_eval_prompts < 1:
-        raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2 and --rm_eval_prompts ≥ 1")
+    if opts.best_of < 1 or opts.rm_answers < 2 or opts.rm_eval_prompts < 1 or opts.best_of_temperature <= 0:
+        raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2, --rm_eval_prompts ≥ 1 and "
+                             "--best_of_temperature > 0")
     if opts.summarize:
         folders = [os.path.normpath(work) for work in opts.summarize]
         twice = sorted({work for work in folders if folders.count(work) > 1})

@@ -210,6 +210,8 @@ def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
         bench.main(["--rows", "ppo,rw"])
     with pytest.raises(UserInputError, match="--rm_answers ≥ 2"):
         bench.main(["--rows", "rm", "--rm_answers", "1"])
+    with pytest.raises(UserInputError, match="--best_of_temperature > 0"):
+        bench.main(["--rows", "rm", "--best_of_temperature", "0"])
 
 
 # --------------------------------------------------------------------------- the reward model's measures, by hand
@@ -332,14 +334,14 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
     save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
     reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
     actor, actor_tokenizer, fmt = bench.load(model)
-    opts = Namespace(best_of=4, answer_len=6, seed=3, rm_max_seq_len=128)
+    opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128)
     prompts = ["Describe the lamp.", "Name a river. Do not use commas."]
     best, scores = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer, prompts, opts)
     assert scores.shape == (2, 4) and len(best) == 2
     from utils.answers import generate_answers
 
     sampled = generate_answers(actor, actor_tokenizer, [f" Human: {p} Assistant:" for p in prompts], 6,
-                               {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, per_prompt=4, seed=3, batch_size=8,
+                               {"temperature": 0.7, "top_k": 0, "top_p": 1.0}, per_prompt=4, seed=3, batch_size=8,
                                chat=fmt)
     apart = score_texts(reward_model, reward_tokenizer, [(f" Human: {prompts[i // 4]} Assistant:", " " + a)
                                                          for i, a in enumerate(sampled)], 128, "",
