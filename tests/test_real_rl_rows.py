@@ -200,6 +200,9 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
             default.per_device_train_batch_size) == (True, 1e-4, "constant", 2, 4)
     assert not step2_args(bench.rm_commands("model", paths, options(bench, rm_kwise=False))[1][1:]).kwise
     assert step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).model_name_or_path == "model"
+    # the 0.792 reward model's collection: 200 instructions, 32 prompts a generate call; step 2 evaluated every 22
+    c = collect_comparisons.parse_args(bench.rm_commands("model", paths, options(bench))[0][1:])
+    assert (c.max_prompts, c.batch_size, default.eval_interval) == (200, 32, 22)
 
 
 def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
@@ -212,6 +215,8 @@ def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
         bench.main(["--rows", "rm", "--rm_answers", "1"])
     with pytest.raises(UserInputError, match="--best_of_temperature > 0"):
         bench.main(["--rows", "rm", "--best_of_temperature", "0"])
+    with pytest.raises(UserInputError, match="--rm_collect_batch ≥ 1"):
+        bench.main(["--rows", "rm", "--rm_collect_batch", "0"])
 
 
 # --------------------------------------------------------------------------- the reward model's measures, by hand
@@ -291,13 +296,34 @@ def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypat
     text = bench.table(results)
     assert "| 2.00 | 2.0 % | 20 + rm 10 min |" in text
     assert "| SmolLM2-135M-Instruct | 0.400 / 0.300 | 0.250 / 0.300 | 60.0 | 0.0 % | 0.00 | 3.0 % | — |" in text
-    assert ("| + reward model's best of n (no RL) | 0.550 / 0.420 | 0.250 / — | 60.0 | 0.0 % | ≤ 1.20 | — | 10 min |"
-            in text)
+    assert ("| + reward model's best of 8 (no RL) | 0.550 / 0.420 | 0.250 / — | 60.0 | 0.0 % | ≤ 1.20 | — "
+            "| 10 min |" in text)
     assert "| `no_comma` (4) | 0.50 / 0.25 | 0.50 / 0.25 | 0.50 / 0.25 |" in text
     assert "reward model: pair accuracy 0.800 on 500 eval pairs" in text and "no_comma 0.80 (500)" in text
     assert "ppo: best held-out point step 20 (strict 0.520): w/ppo/checkpoints/step-20" in text
     results["ppo"]["best"]["guards"] = False
     assert "step 20 (strict 0.520; no point held the guards): w/ppo" in bench.table(results)
+    # sampled at another temperature: the row says so, and has no KL bound to the base (evaluate_rm leaves it out)
+    del results["rm"]["kl_bound"]
+    results["rm"]["best_of_temperature"] = 0.7
+    assert ("| + reward model's best of 8 at temperature 0.7 (no RL) | 0.550 / 0.420 | 0.250 / — | 60.0 | 0.0 % "
+            "| — | — | 10 min |" in bench.table(results))
+
+
+def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatch):
+    """log n − (n−1)/n by hand (n 8: 2.0794 − 0.875 = 1.2044; n 1: 0), only at temperature 1; a kept ``rm`` row is
+    measured again when its n or temperature is not this run's (one from before the flag sampled at 1.0)."""
+    bench = load_bench(monkeypatch)
+    assert bench.best_of_n_kl_bound(8, 1.0) == pytest.approx(1.2044, abs=1e-4)
+    assert bench.best_of_n_kl_bound(4, 1.0) == pytest.approx(1.3863 - 0.75, abs=1e-4)
+    assert bench.best_of_n_kl_bound(1, 1.0) == 0.0
+    assert bench.best_of_n_kl_bound(8, 0.7) is None
+    opts = options(bench)  # the defaults: n 8 at temperature 1
+    assert not bench.rm_row_stale({"best_of": 8, "best_of_temperature": 1.0}, opts)
+    assert not bench.rm_row_stale({"best_of": 8}, opts)
+    assert bench.rm_row_stale({"best_of": 4, "best_of_temperature": 1.0}, opts)
+    assert bench.rm_row_stale({"best_of": 8}, options(bench, best_of_temperature=0.7))
+    assert not bench.rm_row_stale({"best_of": 8, "best_of_temperature": 0.7}, options(bench, best_of_temperature=0.7))
 
 
 # --------------------------------------------------------------------------- pairs and best of n on the tiny model
