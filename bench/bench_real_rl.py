@@ -685,11 +685,12 @@ def seeds_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def proxy_plot(reward: dict, label: str, heldout: dict, path: str) -> None:
+def proxy_plot(reward: dict, label: str, curve: dict, path: str) -> list:
     """The proxy against the target: step 3's mean training reward (``reward``, ``{step: score}``, and its ``label``:
-    :func:`proxy_curve`) and the held-out strict compliance (``heldout``,
-    ``{step: strict}``) against the RL step, on two axes: where the first rises and the second does not, PPO has
-    found what the reward model pays for beyond what the checker does."""
+    :func:`proxy_curve`) on the left axis; on the right, the held-out strict compliance and the constrained answers'
+    F1 (``curve``: the row's ``{step: {"strict", "f1", ...}}``) with the F1 guard (``F1_GUARD`` of step 0's), against
+    the RL step. Where the reward rises and compliance does not, PPO has found what the reward model pays for beyond
+    what the checker does; where F1 falls under its guard, it pays for answers that say less. Returns the labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -701,14 +702,21 @@ def proxy_plot(reward: dict, label: str, heldout: dict, path: str) -> None:
     left.set_xlabel("RL step")
     left.set_ylabel(label, color="C0", fontsize=9)
     right = left.twinx()
-    steps = sorted(heldout, key=int)
-    right.plot([int(s) for s in steps], [heldout[s] for s in steps], color="C1", marker="o",
+    steps = sorted(curve, key=int)
+    right.plot([int(s) for s in steps], [curve[s]["strict"] for s in steps], color="C1", marker="o",
                label="held-out strict compliance")
-    right.set_ylabel("held-out strict compliance", color="C1", fontsize=9)
+    right.plot([int(s) for s in steps], [curve[s]["f1"] for s in steps], color="C2", marker="s", linestyle="--",
+               label="held-out F1, constrained")
+    if "0" in curve:
+        right.axhline(F1_GUARD * curve["0"]["f1"], color="grey", linestyle=":", label="F1 guard")
+    right.set_ylabel("held-out strict compliance / F1", fontsize=9)
     left.grid(alpha=0.3)
+    handles = [h for axis in (left, right) for h in axis.get_legend_handles_labels()[0]]
+    right.legend(handles=handles, fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [h.get_label() for h in handles]
 
 
 def plot(curves: dict, path: str) -> list:
@@ -985,8 +993,8 @@ def main(argv=None):
                 results[row]["best"] = best
                 save()
         if row in ("ppo_fn", "ppo"):  # the proxy (step 3's mean reward) against the target (held-out compliance)
-            proxy_plot(*proxy_curve(os.path.join(out, "metrics.jsonl"), row),
-                       {s: p["strict"] for s, p in curve.items()}, os.path.join(opts.work, f"{row}_proxy.png"))
+            proxy_plot(*proxy_curve(os.path.join(out, "metrics.jsonl"), row), curve,
+                       os.path.join(opts.work, f"{row}_proxy.png"))
     print("\n" + table(results) + "\n")
     plot({ROW_NAMES[name]: curve for name, curve in results.get("curve", {}).items()},
          os.path.join(opts.work, "real_rl.png"))

@@ -260,8 +260,13 @@ def test_the_reward_models_measures_by_hand(tmp_path, monkeypatch):
     del run["0"]  # nothing to judge the guards by
     assert bench.best_point(run) == {"step": 40, "strict": 0.55, "guards": None}
     png = tmp_path / "proxy.png"
-    bench.proxy_plot({"1": -0.25, "2": 0.5}, "reward model's mean score", {"0": 0.4, "2": 0.45}, str(png))
+    # the proxy, compliance and the content guard it must not break (F1 under 0.9 × step 0's at step 40)
+    held = {"0": base, "40": {"strict": 0.55, "f1": 0.20, "length": 46.0, "bare": 0.08}}
+    assert bench.proxy_plot({"1": -0.25, "2": 0.5}, "reward model's mean score", held, str(png)) == [
+        "reward model's mean score", "held-out strict compliance", "held-out F1, constrained", "F1 guard"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    del held["0"]  # no step 0: no guard to draw
+    assert bench.proxy_plot({"1": 0.5}, "checker's mean reward", held, str(png))[-1] == "held-out F1, constrained"
 
 
 def test_the_proxy_is_the_reward_before_the_overlong_penalty_when_step_3_logged_it(tmp_path, monkeypatch):
