@@ -581,8 +581,8 @@ def row_label(name: str, r: dict) -> str:
     if name != "rm" or "best_of" not in r:
         return ROW_NAMES[name]
     temperature = r.get("best_of_temperature", 1.0)
-    return (f"+ reward model's best of {r['best_of']}"
-            + (f" at temperature {temperature:g}" if temperature != 1.0 else "") + " (no RL)")
+    at = f" at temperature {temperature:g}" if temperature != 1.0 else ""
+    return ROW_NAMES["rm"].replace("best of n", f"best of {r['best_of']}{at}")  # the name kept in one place
 
 
 def _cell(value, fmt: str) -> str:
