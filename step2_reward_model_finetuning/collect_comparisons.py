@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=64, help="Prompts generated together.")
     p.add_argument("--seed", type=seed_int, default=1234, help="Seed of the split and of the sampling.")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one).")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="The actor's weights while it samples (default: fp32 on a CPU, the folder's own on a GPU); "
+                        "bf16 samples about twice as fast on a CPU with bf16 instructions, from a slightly different "
+                        "distribution (as step 3's --generation_dtype).")
     p.add_argument("--apply_chat_template", action="store_true",
                    help="Answer in the actor's chat template (as the steps' flag); the pairs keep the prompts' text, "
                         "so step 2 reads them with --apply_chat_template too.")
@@ -232,7 +236,7 @@ def run(args, folder, data: dict, label_fn) -> dict:
     start, written, kept, report = time.time(), {}, [], {}
     settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
                                               "label_fn", "num_answers", "min_gap", "temperature", "top_k", "top_p",
-                                              "seed")}
+                                              "seed", "dtype")}
     if args.from_answers is not None:  # the answers (and how they were sampled) are the earlier run's
         earlier = earlier_answers(args.from_answers)
         answers = {split: [r["answers"] for r in earlier[split][:len(rows)]] for split, rows in data.items()}
@@ -248,7 +252,8 @@ def run(args, folder, data: dict, label_fn) -> dict:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_for_answers(resolve_model_name_or_path(args.actor_model_name_or_path), device,
                                             apply_chat_template=args.apply_chat_template,
-                                            trust_remote_code=args.trust_remote_code)
+                                            trust_remote_code=args.trust_remote_code,
+                                            dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype))
         answers = {split: sample(model, tokenizer, args, rows, split) if rows else [] for split, rows in data.items()}
 
     # ---- label, pair; then write everything at once

@@ -152,3 +152,46 @@ def test_bad_collector_flags_are_refused_before_any_model(tmp_path):
         args = base(tmp_path, *extra) + ([] if "--label_fn" in extra else ["--label_fn", "builtin_rule"])
         proc = run_entry(COLLECT, *args, env=OMP)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_collector_samples_from_bf16_weights_when_asked(tmp_path, monkeypatch):
+    """``--dtype bf16``: the actor that samples has bf16 weights, the answers kept are the ones those weights sample
+    (the same seed and batch drawn again here), and the settings say so."""
+    import torch
+
+    import utils.answers
+    from step2_reward_model_finetuning import collect_comparisons
+    from utils.answers import generate_answers, load_for_answers
+    from utils.data.chat_template import chat_format
+    from utils.model.tiny import resolve_model_path
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    loaded = []
+
+    def recording(*args, **kwargs):
+        model, tokenizer = load_for_answers(*args, **kwargs)
+        loaded.append(next(model.parameters()).dtype)
+        return model, tokenizer
+
+    monkeypatch.setattr(utils.answers, "load_for_answers", recording)
+    (tmp_path / "by_length.py").write_text("def score(prompts, answers, rows):\n"
+                                           "    return [float(len(a)) for a in answers]\n")
+    args = collect_comparisons.parse_args([str(a) for a in base(tmp_path, "--label_fn",
+                                                                 f"{tmp_path / 'by_length.py'}:score", "--dtype",
+                                                                 "bf16", "--apply_chat_template")])
+    args.max_prompts, args.max_eval_prompts = 3, 1
+    collect_comparisons.main(args)
+    assert loaded == [torch.bfloat16]
+    kept = [json.loads(line) for line in (tmp_path / "out" / "answers.jsonl").read_text().splitlines()]
+    settings = json.loads((tmp_path / "out" / "comparisons.json").read_text())["settings"]
+    assert settings["dtype"] == "bf16" and len(kept) == 4
+    model, tokenizer = load_for_answers(resolve_model_path("tiny-llama"), apply_chat_template=True,
+                                        dtype=torch.bfloat16)
+    train = [k for k in kept if k["split"] == "train"]
+    again = generate_answers(model, tokenizer, [k["prompt"] for k in train], 12,
+                             {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, per_prompt=4, seed=args.seed,
+                             batch_size=args.batch_size, chat=chat_format(tokenizer))
+    assert [a for k in train for a in k["answers"]] == again
+    args.dtype, args.overwrite = None, True  # the default: fp32 on a CPU
+    collect_comparisons.main(args)
+    assert loaded == [torch.bfloat16, torch.float32]

@@ -198,6 +198,14 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     default = step2_args(bench.rm_commands("model", paths, options(bench))[1][1:])  # the measured settings
     assert (default.kwise, default.learning_rate, default.lr_scheduler_type, default.num_train_epochs,
             default.per_device_train_batch_size) == (True, 1e-4, "constant", 2, 4)
+    # precision: fp32 by default; --rm_dtype bf16 trains under autocast over fp32 weights, and --generation_dtype
+    # bf16 has the collector sample from bf16 weights
+    default_collect = collect_comparisons.parse_args(bench.rm_commands("model", paths, options(bench))[0][1:])
+    assert (default.dtype, default.torch_autocast, default_collect.dtype) == ("fp32", False, None)
+    fast = bench.rm_commands("model", paths, options(bench, rm_dtype="bf16", generation_dtype="bf16"))
+    s, c = step2_args(fast[1][1:]), collect_comparisons.parse_args(fast[0][1:])
+    validate_common(s)
+    assert (s.dtype, s.torch_autocast, c.dtype) == ("bf16", True, "bf16")
     assert not step2_args(bench.rm_commands("model", paths, options(bench, rm_kwise=False))[1][1:]).kwise
     assert step2_args(bench.rm_commands("model", paths, options(bench))[1][1:]).model_name_or_path == "model"
     # the 0.792 reward model's collection: 200 instructions, 32 prompts a generate call; step 2 evaluated every 22
@@ -329,6 +337,10 @@ def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatc
     assert bench.rm_row_stale({"best_of": 4, "best_of_temperature": 1.0}, opts)
     assert bench.rm_row_stale({"best_of": 8}, options(bench, best_of_temperature=0.7))
     assert not bench.rm_row_stale({"best_of": 8, "best_of_temperature": 0.7}, options(bench, best_of_temperature=0.7))
+    # sampled from fp32 weights (a row from before the flag too) is not sampled from bf16 ones
+    assert bench.rm_row_stale({"best_of": 8}, options(bench, generation_dtype="bf16"))
+    assert not bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, options(bench, generation_dtype="bf16"))
+    assert bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, opts)
 
 
 # --------------------------------------------------------------------------- pairs and best of n on the tiny model
@@ -347,9 +359,15 @@ def test_comparisons_carry_their_prompts_constraint_types(monkeypatch):
         None] * 3
 
 
-def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatch, precision):
     """The ``rm`` row's pick, on the tiny model and an untrained tiny reward model in its chat template: each
-    prompt's answer is the one of its N samples the reward model scores highest (as scored apart here)."""
+    prompt's answer is the one of its N samples the reward model scores highest (as scored apart here). In bf16
+    (``--generation_dtype bf16 --rm_dtype bf16``) the samples are a bf16 copy's, scored under bf16 autocast, and
+    the actor handed in stays fp32."""
+    import contextlib
+    import copy
+
     import torch
 
     from utils.data.chat_template import chat_format
@@ -365,18 +383,22 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
     save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
     reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
     actor, actor_tokenizer, fmt = bench.load(model)
-    opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128)
+    opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128,
+                     generation_dtype=None if precision == "fp32" else "bf16", rm_dtype=precision)
     prompts = ["Describe the lamp.", "Name a river. Do not use commas."]
     best, scores = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer, prompts, opts)
     assert scores.shape == (2, 4) and len(best) == 2
+    assert next(actor.parameters()).dtype == torch.float32
     from utils.answers import generate_answers
 
-    sampled = generate_answers(actor, actor_tokenizer, [f" Human: {p} Assistant:" for p in prompts], 6,
+    sampler = actor if precision == "fp32" else copy.deepcopy(actor).to(torch.bfloat16)
+    sampled = generate_answers(sampler, actor_tokenizer, [f" Human: {p} Assistant:" for p in prompts], 6,
                                {"temperature": 0.7, "top_k": 0, "top_p": 1.0}, per_prompt=4, seed=3, batch_size=8,
                                chat=fmt)
-    apart = score_texts(reward_model, reward_tokenizer, [(f" Human: {prompts[i // 4]} Assistant:", " " + a)
-                                                         for i, a in enumerate(sampled)], 128, "",
-                        chat=chat_format(reward_tokenizer))
+    with (contextlib.nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=torch.bfloat16)):
+        apart = score_texts(reward_model, reward_tokenizer, [(f" Human: {prompts[i // 4]} Assistant:", " " + a)
+                                                             for i, a in enumerate(sampled)], 128, "",
+                            chat=chat_format(reward_tokenizer))
     for p in range(2):
         row = apart[4 * p:4 * p + 4]
         assert best[p] == sampled[4 * p + row.index(max(row))]

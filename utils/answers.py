@@ -95,9 +95,10 @@ def check_room(flag: str, positions: Optional[int], tokenizer, chat, prompts: li
 
 
 def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: bool = False,
-                     trust_remote_code: bool = False):
-    """``(model, tokenizer)`` of a saved causal LM, in eval mode, fp32 on a CPU (the checks' numbers); the tokenizer
-    as the steps load it with ``--apply_chat_template`` when asked; the folder's own code only with
+                     trust_remote_code: bool = False, dtype: Optional[torch.dtype] = None):
+    """``(model, tokenizer)`` of a saved causal LM, in eval mode, fp32 on a CPU (the checks' numbers) unless
+    ``dtype`` says otherwise (``torch.bfloat16``: sampling about twice as fast on a CPU with bf16 instructions);
+    the tokenizer as the steps load it with ``--apply_chat_template`` when asked; the folder's own code only with
     ``trust_remote_code``."""
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +106,7 @@ def load_for_answers(model_dir: str, device: str = "cpu", apply_chat_template: b
 
     tokenizer = load_hf_tokenizer(model_dir, apply_chat_template=apply_chat_template,
                                   trust_remote_code=trust_remote_code)
-    dtype = torch.float32 if device == "cpu" else None
+    dtype = dtype or (torch.float32 if device == "cpu" else None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto",
                                                  trust_remote_code=trust_remote_code).to(device).eval()
     return model, tokenizer
