@@ -410,7 +410,8 @@ def rm_commands(model: str, paths: dict, opts) -> list:
          str(opts.rm_min_gap), "--num_answers", str(opts.rm_answers),
          "--max_new_tokens", str(opts.answer_len), "--temperature", "1.0", "--max_prompts", str(opts.rm_prompts),
          "--max_eval_prompts", "0", "--batch_size", str(opts.rm_collect_batch), "--output_dir", paths["comparisons"],
-         "--overwrite", *(["--dtype", opts.generation_dtype] if opts.generation_dtype else []), *common],
+         "--overwrite", "--short_answers", str(opts.rm_short_answers),
+         *(["--dtype", opts.generation_dtype] if opts.generation_dtype else []), *common],
         ["step2_reward_model_finetuning/main.py", "--model_name_or_path", opts.rm_model or model, "--data_path",
          paths["comparisons"], "--data_split", "0,1,0", "--num_padding_at_beginning",
          str(opts.num_padding_at_beginning), "--max_seq_len", str(opts.rm_max_seq_len),
@@ -475,9 +476,9 @@ def proxy_curve(path: str, row: str) -> tuple:
 
 
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
-    """``(answers, scores)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
+    """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
-    scores highest, and the reward model's ``[P, N]`` scores. The reward model reads them as the collector wrote
+    scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model reads them as the collector wrote
     its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping), the answer after a space, in its
     chat template."""
     from utils.answers import generate_answers
@@ -498,7 +499,27 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
         scores = score_answers(reward_model, reward_tokenizer, wrapped, [[" " + a for a in row] for row in answers],
                                opts.rm_max_seq_len, "", device=device(), chat=chat_format(reward_tokenizer))  # [P,N]
     best = best_of_n(scores)  # [P]: each prompt's first highest-scored answer
-    return [row[int(b)] for row, b in zip(answers, best)], scores
+    return [row[int(b)] for row, b in zip(answers, best)], scores, answers
+
+
+def best_of_prefixes(n: int) -> list:
+    """The n's of the best-of-n curve one draw of ``n`` answers a prompt gives: 1, 2, 4, … below ``n``, and ``n``
+    (the first m answers of n independent ones are m independent ones, so best of m is their best)."""
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+
+
+def best_of_curve(rows: list, sampled: list, scores) -> dict:
+    """``{m: strict, F1, length, bare}`` of best of m for each m of :func:`best_of_prefixes`: the reward model's
+    pick among each prompt's first m ``sampled`` answers (``[P][N]``; ``scores`` ``[P, N]``), scored as the
+    greedy answers are; m = 1 is the sampled answer with no choice."""
+    from utils.model.scoring import best_of_n
+
+    curve = {}
+    for m in best_of_prefixes(scores.shape[1]):
+        picks = best_of_n(scores[:, :m])
+        r = score_constrained(rows, [row[int(b)] for row, b in zip(sampled, picks)])
+        curve[str(m)] = {k: r[k] for k in ("strict", "f1", "length", "bare")}
+    return curve
 
 
 def best_of_n_kl_bound(n: int, temperature: float):
@@ -541,13 +562,15 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
           "eval pairs", flush=True)
     actor, tokenizer, fmt = load(opts.model)
     rows = data["heldout"]
-    answers, _ = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, [r["prompt"] for r in rows],
-                                   opts)
+    answers, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
+                                                 [r["prompt"] for r in rows], opts)
     result = score_constrained(rows, answers)
     result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
-    reworded, _ = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
-                                    [r["prompt"] for r in data["reworded"]], opts)
+    result["best_of_curve"] = best_of_curve(rows, sampled, picked)
+    reworded, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
+                                                  [r["prompt"] for r in data["reworded"]], opts)
     result["reworded"] = score_constrained(data["reworded"], reworded)
+    result["reworded"]["best_of_curve"] = best_of_curve(data["reworded"], sampled, picked)
     n, temperature = opts.best_of, opts.best_of_temperature
     bound = best_of_n_kl_bound(n, temperature)
     if bound is not None:
@@ -641,7 +664,16 @@ def rm_lines(r: dict) -> list:
     return [f"reward model: pair accuracy {acc['overall']['accuracy']:.3f} on {acc['overall']['pairs']} eval pairs "
             f"(instructions none of its training pairs came from); step 2's eval accuracy by step: {trained or '—'}",
             "per type: " + ", ".join(f"{t.split(':')[1]} {g['accuracy']:.2f} ({g['pairs']})"
-                                     for t, g in acc["groups"].items())]
+                                     for t, g in acc["groups"].items()),
+            *best_of_curve_lines(r)]
+
+
+def best_of_curve_lines(r: dict) -> list:
+    """The rm row's best-of-m curve (:func:`best_of_curve`), a line per held-out set: strict compliance and F1 at
+    each m; none for a row measured before the curve."""
+    sets = [("template", r.get("best_of_curve")), ("reworded", r.get("reworded", {}).get("best_of_curve"))]
+    return [f"best of m, {name}: " + ", ".join(f"m {m}: strict {p['strict']:.3f} F1 {p['f1']:.3f}"
+                                                for m, p in curve.items()) for name, curve in sets if curve]
 
 
 def table(results: dict) -> str:
@@ -842,6 +874,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rm_label", choices=sorted(RM_LABELS), default="kept",
                    help="the collector's --label_fn: kept (the constraints kept by an answer past the guards: "
                         "ifeval_kept) or guarded (the GRPO row's reward, with its content term: ifeval_guarded)")
+    g.add_argument("--rm_short_answers", type=int, default=0, metavar="M",
+                   help="the collector's --short_answers: M short answers cut from each train prompt's sampled "
+                        "ones (a last line, a first sentence), labelled like the rest, so the reward model sees "
+                        "what the labeller's substance guard costs a short answer (PPO's first hack)")
     g.add_argument("--rm_min_gap", type=float, default=0.0,
                    help="the collector's --min_gap: closer scores are a tie (no pair)")
     g.add_argument("--rm_model", default=None, help="the model the reward model starts from (default: --model)")

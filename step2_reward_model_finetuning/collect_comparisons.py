@@ -34,7 +34,7 @@ import os
 import time
 
 from utils.arguments import HelpFormatter, add_trust_remote_code_arg, seed_int
-from utils.data.comparisons import ranked_pairs, summarize
+from utils.data.comparisons import ranked_pairs, short_cuts, summarize
 from utils.entrypoint import run_main
 from utils.errors import UserInputError
 from utils.files import atomic_directory
@@ -63,6 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--min_gap", type=float, default=0.0,
                    help="Two answers whose scores differ by less than this are a tie and give no pair (0: only equal "
                         "scores tie). A labeller's small differences are often noise the reward model cannot learn.")
+    p.add_argument("--short_answers", type=int, default=0, metavar="M",
+                   help="Add to each train prompt up to M short answers cut from its sampled ones (a last line, a "
+                        "first sentence; no sampling), scored by the labeller like the rest: pairs that show the "
+                        "reward model a short answer losing to a full one, the reward hack PPO finds first against "
+                        "a reward model that never saw one (docs/real-model.md). The eval pairs stay the sampled "
+                        "answers' alone. 0: none.")
     p.add_argument("--max_prompts", type=int, default=0, help="Prompts of the train split to answer (0 = all).")
     p.add_argument("--max_eval_prompts", type=int, default=0, help="Prompts of the eval split to answer (0 = all).")
     p.add_argument("--max_new_tokens", type=int, default=32, help="Tokens generated per answer (at most).")
@@ -104,6 +110,8 @@ def validate(args) -> None:
     for name in ("num_answers", "max_new_tokens", "batch_size"):
         if getattr(args, name) < (2 if name == "num_answers" else 1):
             raise UserInputError(f"--{name} must be ≥ {2 if name == 'num_answers' else 1}, got {getattr(args, name)}")
+    if args.short_answers < 0:
+        raise UserInputError(f"--short_answers must be ≥ 0 (0 = none), got {args.short_answers}")
     for name in ("max_prompts", "max_eval_prompts"):
         if getattr(args, name) < 0:
             raise UserInputError(f"--{name} must be ≥ 0 (0 = all), got {getattr(args, name)}")
@@ -236,12 +244,13 @@ def run(args, folder, data: dict, label_fn) -> dict:
     start, written, kept, report = time.time(), {}, [], {}
     settings = {k: getattr(args, k) for k in ("actor_model_name_or_path", "data_path", "data_split", "phase",
                                               "label_fn", "num_answers", "min_gap", "temperature", "top_k", "top_p",
-                                              "seed", "dtype")}
+                                              "seed", "dtype", "short_answers")}
     if args.from_answers is not None:  # the answers (and how they were sampled) are the earlier run's
         earlier = earlier_answers(args.from_answers)
         answers = {split: [r["answers"] for r in earlier[split][:len(rows)]] for split, rows in data.items()}
         sampled = earlier_settings(args.from_answers)
-        settings.update({k: sampled.get(k) for k in settings if k not in ("label_fn", "min_gap")},
+        relabelled = ("label_fn", "min_gap", "short_answers")  # this run's; the rest the sampling's
+        settings.update({k: sampled.get(k) for k in settings if k not in relabelled},
                         from_answers=args.from_answers)
     else:  # ---- the actor samples
         import torch
@@ -255,6 +264,10 @@ def run(args, folder, data: dict, label_fn) -> dict:
                                             trust_remote_code=args.trust_remote_code,
                                             dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype))
         answers = {split: sample(model, tokenizer, args, rows, split) if rows else [] for split, rows in data.items()}
+
+    if args.short_answers:  # the train split's only: the eval pairs stay the sampled answers' (pair accuracy)
+        k = settings["num_answers"] or args.num_answers  # the sampling's (an earlier collection's with --from_answers)
+        answers["train"] = [group + short_cuts(group[:k], args.short_answers) for group in answers["train"]]
 
     # ---- label, pair; then write everything at once
     for split, rows in data.items():

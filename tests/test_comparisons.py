@@ -195,3 +195,51 @@ def test_the_collector_samples_from_bf16_weights_when_asked(tmp_path, monkeypatc
     args.dtype, args.overwrite = None, True  # the default: fp32 on a CPU
     collect_comparisons.main(args)
     assert loaded == [torch.bfloat16, torch.float32]
+
+
+def test_short_cuts_by_hand():
+    from utils.data.comparisons import short_cuts
+
+    answers = ["Rome is old. It has a forum.\n\nP.S. Visit it.", "Paris is big! It has a tower.", "One line only.",
+               "Oslo is cold.\nIt is north."]
+    # answer 0's last line, answer 1's first sentence; answer 2 is one line (its cut would be itself): nothing
+    assert short_cuts(answers, 3) == ["P.S. Visit it.", "Paris is big!"]
+    assert short_cuts(answers, 4) == ["P.S. Visit it.", "Paris is big!", "Oslo is cold."]  # 3: a first sentence
+    assert short_cuts(answers[:1], 0) == [] and short_cuts([], 2) == []
+    # a cut already among the answers, or already cut, is not added twice
+    assert short_cuts(["x y.\nTail.", "Tail. More.", "z.\nTail."], 3) == ["Tail."]
+    assert short_cuts(["Only.", "  "], 2) == []
+
+
+def test_short_answers_join_the_train_prompts_only(tmp_path, monkeypatch):
+    """``--short_answers 2``: each train prompt's kept answers are its K sampled ones and their cuts
+    (:func:`short_cuts` of them, scored by the labeller like the rest, in pairs); the eval prompts' are the K sampled
+    ones alone, so pair accuracy is measured on sampled answers only. The actor's answers are stood in for by
+    answers with lines and sentences (the tiny actor's have neither)."""
+    from step2_reward_model_finetuning import collect_comparisons
+    from utils.data.comparisons import short_cuts
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setattr(collect_comparisons, "sample", lambda model, tokenizer, args, rows, split: [
+        [f"{split} {i} opens. It goes on a while.\nP.S. {i} ends.", f"{split} {i} is short. Then a longer tail.",
+         f"{split} {i} once.", f"{split} {i} twice, with more words."] for i in range(len(rows))])
+    (tmp_path / "by_length.py").write_text("def score(prompts, answers, rows):\n"
+                                           "    return [float(len(a)) for a in answers]\n")
+    args = collect_comparisons.parse_args([str(a) for a in base(tmp_path, "--label_fn",
+                                                                 f"{tmp_path / 'by_length.py'}:score",
+                                                                 "--short_answers", "2")])
+    args.max_prompts, args.max_eval_prompts = 3, 2
+    collect_comparisons.main(args)
+    kept = [json.loads(line) for line in (tmp_path / "out" / "answers.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "out" / "comparisons.json").read_text())["settings"]["short_answers"] == 2
+    train, evals = [k for k in kept if k["split"] == "train"], [k for k in kept if k["split"] == "eval"]
+    assert [len(k["answers"]) for k in evals] == [4, 4]
+    for i, k in enumerate(train):
+        assert k["answers"][4:] == short_cuts(k["answers"][:4], 2) == [f"P.S. {i} ends.", f"train {i} is short."]
+        assert k["scores"][4:] == [float(len(a)) for a in k["answers"][4:]]
+    pairs = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    cuts = {" " + a for k in train for a in k["answers"][4:]}
+    assert any(p["rejected"] in cuts for p in pairs)
+    with pytest.raises(UserInputError, match="--short_answers must be ≥ 0"):
+        args.short_answers = -1
+        collect_comparisons.validate(args)

@@ -202,6 +202,9 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     # bf16 has the collector sample from bf16 weights
     default_collect = collect_comparisons.parse_args(bench.rm_commands("model", paths, options(bench))[0][1:])
     assert (default.dtype, default.torch_autocast, default_collect.dtype) == ("fp32", False, None)
+    assert default_collect.short_answers == 0  # the measured recipe cuts none
+    cut = bench.rm_commands("model", paths, options(bench, rm_short_answers=2))[0]
+    assert collect_comparisons.parse_args(cut[1:]).short_answers == 2
     fast = bench.rm_commands("model", paths, options(bench, rm_dtype="bf16", generation_dtype="bf16"))
     s, c = step2_args(fast[1][1:]), collect_comparisons.parse_args(fast[0][1:])
     validate_common(s)
@@ -244,6 +247,10 @@ def test_the_reward_models_measures_by_hand(tmp_path, monkeypatch):
         "reward model: pair accuracy 0.500 on 4 eval pairs (instructions none of its training pairs came from); "
         "step 2's eval accuracy by step: 0.50 → 0.62 → 0.75",
         "per type: title 0.50 (2), no_comma 0.50 (2)"]
+    result["best_of_curve"] = {"1": {"strict": 0.4, "f1": 0.25}, "8": {"strict": 0.5, "f1": 0.24}}
+    result["reworded"] = {"best_of_curve": {"1": {"strict": 0.2, "f1": 0.2}, "8": {"strict": 0.3, "f1": 0.215}}}
+    assert bench.rm_lines(result)[2:] == ["best of m, template: m 1: strict 0.400 F1 0.250, m 8: strict 0.500 F1 0.240",
+                                          "best of m, reworded: m 1: strict 0.200 F1 0.200, m 8: strict 0.300 F1 0.215"]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 0, "phase": "eval", "acc": 0.5}, {"step": 1, "phase": "train", "reward": -0.25},
@@ -323,6 +330,28 @@ def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypat
             "| — | — | 10 min |" in bench.table(results))
 
 
+def test_one_draw_of_n_gives_the_best_of_m_curve_below_it(monkeypatch):
+    """Best of m for m = 1, 2, 4, … < n and n, from the first m of each prompt's n answers, by hand: two held-out
+    rows asking for no commas; the reward model's scores pick a comma-free answer in row 0 from m = 4 on, in row 1
+    at m = 2 only (its best of 4 has a comma)."""
+    import torch
+
+    bench = load_bench(monkeypatch)
+    assert bench.best_of_prefixes(8) == [1, 2, 4, 8] and bench.best_of_prefixes(6) == [1, 2, 4, 6]
+    assert bench.best_of_prefixes(1) == [1] and bench.best_of_prefixes(16) == [1, 2, 4, 8, 16]
+    row = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}], "reference_output": "a b c"}
+    rows = [row, row]
+    words = " ".join(["word"] * 12)
+    sampled = [[f"a, {words}", f"b, {words}", f"c {words}", f"d, {words}"],
+               [f"e, {words}", f"f {words}", f"g, {words}", f"h {words}"]]
+    scores = torch.tensor([[1.0, 2.0, 3.0, 0.0], [0.0, 1.0, 5.0, 0.5]])
+    curve = bench.best_of_curve(rows, sampled, scores)
+    assert list(curve) == ["1", "2", "4"]
+    # row 0 picks a (m 1), b (m 2), c (m 4); row 1 picks e, f, g: comma-free picks 0+0, 0+1, 1+0
+    assert [curve[m]["strict"] for m in curve] == [0.0, 0.5, 0.5]
+    assert all(curve[m]["length"] == 13 and curve[m]["bare"] == 0.0 for m in curve)
+
+
 def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatch):
     """log n − (n−1)/n by hand (n 8: 2.0794 − 0.875 = 1.2044; n 1: 0), only at temperature 1; a kept ``rm`` row is
     measured again when its n or temperature is not this run's (one from before the flag sampled at 1.0)."""
@@ -386,8 +415,9 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
     opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128,
                      generation_dtype=None if precision == "fp32" else "bf16", rm_dtype=precision)
     prompts = ["Describe the lamp.", "Name a river. Do not use commas."]
-    best, scores = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer, prompts, opts)
-    assert scores.shape == (2, 4) and len(best) == 2
+    best, scores, samples = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer,
+                                                    prompts, opts)
+    assert scores.shape == (2, 4) and len(best) == 2 and [len(row) for row in samples] == [4, 4]
     assert next(actor.parameters()).dtype == torch.float32
     from utils.answers import generate_answers
 
@@ -401,7 +431,7 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
                             chat=chat_format(reward_tokenizer))
     for p in range(2):
         row = apart[4 * p:4 * p + 4]
-        assert best[p] == sampled[4 * p + row.index(max(row))]
+        assert best[p] == sampled[4 * p + row.index(max(row))] and samples[p] == sampled[4 * p:4 * p + 4]
         assert scores[p].tolist() == pytest.approx(row, abs=1e-5)
 
 

@@ -18,6 +18,7 @@ A row of the written dataset (``train.jsonl`` / ``eval.jsonl``, the layout every
 """
 from __future__ import annotations
 
+import re
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 
@@ -45,6 +46,25 @@ def ranked_pairs(prompt: str, answers: Sequence[str], scores: Sequence[float],
             pairs.append({"prompt": prompt, "chosen": " " + chosen.lstrip(), "rejected": " " + rejected.lstrip(),
                           "chosen_score": c, "rejected_score": r})
     return pairs
+
+
+def short_cuts(answers: Sequence[str], m: int) -> List[str]:
+    """Up to ``m`` short answers cut from a prompt's sampled ``answers`` (no sampling): answer 0's last line, answer
+    1's first sentence, answer 2's last line, … — the shapes of the short answers PPO finds first against a reward
+    model that never saw one ("P.S. I'm glad I could help."). A cut that is the whole answer, empty, or already
+    among the answers or the cuts adds nothing, so fewer than ``m`` may come back. The labeller scores them like
+    any answer; with a guard on substance they lose to every full answer that keeps a constraint.
+    """
+    cuts: List[str] = []
+    for j, answer in enumerate(answers[:m]):
+        if j % 2 == 0:
+            lines = [line.strip() for line in answer.strip().splitlines() if line.strip()]
+            cut = lines[-1] if lines else ""
+        else:
+            cut = re.split(r"(?<=[.!?])\s+", answer.strip(), maxsplit=1)[0]
+        if cut and cut != answer.strip() and cut not in answers and cut not in cuts:
+            cuts.append(cut)
+    return cuts
 
 
 def summarize(pairs_per_prompt: List[int], answers: int, scores: Sequence[float]) -> Dict[str, object]:
