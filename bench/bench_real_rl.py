@@ -478,9 +478,9 @@ def proxy_curve(path: str, row: str) -> tuple:
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
     """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
-    scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model reads them as the collector wrote
-    its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping), the answer after a space, in its
-    chat template."""
+    scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
+    reads them as the collector wrote its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping),
+    the answer after a space, in its chat template."""
     from utils.answers import generate_answers
     from utils.data.chat_template import chat_format
     from utils.data.local_datasets import normalize_prompt
@@ -536,6 +536,48 @@ def rm_row_stale(stored: dict, opts) -> bool:
             != (opts.best_of, opts.best_of_temperature, opts.generation_dtype or "fp32"))
 
 
+def short_answer_pairs(lines: list, label, k: int) -> list:
+    """The pairs a short answer is in, on the eval prompts: each line of the collector's answers.jsonl (its eval
+    split: ``prompt``, ``row``, ``answers``, ``scores``) gives its first ``k`` sampled answers and their
+    :func:`~utils.data.comparisons.short_cuts` (up to k), the cuts scored by ``label(prompts, answers, rows)``
+    (the collector's labeller), and every pair of differently scored answers with a cut in it, the better one
+    chosen. A reward model that ranks these right is not paid by PPO's first hack, the short answer."""
+    from utils.data.comparisons import ranked_pairs, short_cuts
+
+    pairs = []
+    for line in lines:
+        originals = line["answers"][:k]
+        cuts = short_cuts(originals, k)
+        if not cuts:
+            continue
+        scores = list(line["scores"][:k]) + list(label([line["prompt"]] * len(cuts), cuts, [line["row"]] * len(cuts)))
+        cut = {" " + c for c in cuts}
+        pairs += [p for p in ranked_pairs(line["prompt"], originals + cuts, scores)
+                  if p["chosen"] in cut or p["rejected"] in cut]
+    return pairs
+
+
+def short_pair_accuracy(paths: dict, opts, reward_model, reward_tokenizer) -> dict:
+    """The reward model's accuracy on the eval prompts' :func:`short_answer_pairs` (``{"pairs", "correct",
+    "accuracy", "short_chosen"}``: the last, pairs where the cut is the better answer), scored as the pair
+    accuracy is."""
+    from utils.data.chat_template import chat_format
+    from utils.model.scoring import pair_accuracy_by_group, score_texts
+    from utils.reward_functions import load_reward_fn
+
+    lines = [r for r in read_jsonl(os.path.join(paths["comparisons"], "answers.jsonl")) if r["split"] == "eval"]
+    label = load_reward_fn(os.path.join(REPO, RM_LABELS[opts.rm_label]), flag="--rm_label")
+    pairs = short_answer_pairs(lines, label, opts.rm_answers)
+    chosen, rejected = ([(p["prompt"], p[key]) for p in pairs] for key in ("chosen", "rejected"))
+    with rm_autocast(opts):
+        scored = [score_texts(reward_model, reward_tokenizer, texts, opts.rm_max_seq_len, "", batch_size=16,
+                              device=device(), chat=chat_format(reward_tokenizer)) for texts in (chosen, rejected)]
+    result = pair_accuracy_by_group(*scored, [None] * len(pairs))["overall"]
+    sampled = {line["prompt"]: {a.strip() for a in line["answers"][:opts.rm_answers]} for line in lines}
+    result["short_chosen"] = sum(p["chosen"].strip() not in sampled[p["prompt"]] for p in pairs)
+    return result
+
+
 def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     """The ``rm`` row: the reward model alone, before any RL. Pair accuracy on the eval prompts' comparisons
     (``"pair_accuracy"``, overall and per type; ``"step2_curve"``: step 2's own eval accuracy against its steps),
@@ -560,6 +602,7 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
                                                                              for p in pairs])
     print(f"reward model: pair accuracy {accuracy['overall']['accuracy']:.3f} on {accuracy['overall']['pairs']} "
           "eval pairs", flush=True)
+    short = short_pair_accuracy(paths, opts, reward_model, reward_tokenizer)
     actor, tokenizer, fmt = load(opts.model)
     rows = data["heldout"]
     answers, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
@@ -575,7 +618,8 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     bound = best_of_n_kl_bound(n, temperature)
     if bound is not None:
         result["kl_bound"] = bound
-    result.update(pair_accuracy=accuracy, best_of=n, best_of_temperature=temperature, rm_dtype=opts.rm_dtype,
+    result.update(pair_accuracy=accuracy, short_pair_accuracy=short, best_of=n, best_of_temperature=temperature,
+                  rm_dtype=opts.rm_dtype,
                   generation_dtype=opts.generation_dtype or "fp32",
                   step2_curve=metrics_curve(os.path.join(paths["reward"], "metrics.jsonl"), "eval", "acc"),
                   seconds=time.time() - start)
@@ -665,7 +709,16 @@ def rm_lines(r: dict) -> list:
             f"(instructions none of its training pairs came from); step 2's eval accuracy by step: {trained or '—'}",
             "per type: " + ", ".join(f"{t.split(':')[1]} {g['accuracy']:.2f} ({g['pairs']})"
                                      for t, g in acc["groups"].items()),
-            *best_of_curve_lines(r)]
+            *short_pair_line(r), *best_of_curve_lines(r)]
+
+
+def short_pair_line(r: dict) -> list:
+    """The rm row's accuracy on short-answer pairs (:func:`short_answer_pairs`), if it was measured."""
+    short = r.get("short_pair_accuracy")
+    if not short:
+        return []
+    return [f"short answers: pair accuracy {short['accuracy']:.3f} on {short['pairs']} eval pairs with a short answer "
+            f"cut from a sampled one ({short['short_chosen']} with the cut the better)"]
 
 
 def best_of_curve_lines(r: dict) -> list:
@@ -1021,6 +1074,12 @@ def main(argv=None):
             if row not in results or rm_row_stale(results[row], opts):
                 print("evaluating the reward model (pair accuracy, best of n)", flush=True)
                 results[row] = evaluate_rm(paths, data, opts)
+                save()
+            elif "short_pair_accuracy" not in results[row]:  # measured before it was: that number added
+                from utils.model.critic import load_reward_model
+
+                results[row]["short_pair_accuracy"] = short_pair_accuracy(
+                    paths, opts, *load_reward_model(paths["reward"], device(), apply_chat_template=True))
                 save()
             continue
         if row == "trl":

@@ -352,6 +352,70 @@ def test_one_draw_of_n_gives_the_best_of_m_curve_below_it(monkeypatch):
     assert all(curve[m]["length"] == 13 and curve[m]["bare"] == 0.0 for m in curve)
 
 
+def test_short_answer_pairs_by_hand(monkeypatch):
+    """Each eval line's sampled answers against their cuts, the cuts scored by the labeller (here: 1 for 5 words or
+    more, a stand-in for the substance guard), only pairs with a cut in them; the table's line."""
+    bench = load_bench(monkeypatch)
+    label = lambda prompts, answers, rows: [float(len(a.split()) >= 5) for a in answers]  # noqa: E731
+    lines = [{"split": "eval", "prompt": "P", "row": {}, "scores": [1.0, 0.0, 1.0],
+              "answers": ["One two three four. Five six seven.\nP.S. Bye now.", "Tiny. Tail.", "Solo line here ok."]},
+             {"split": "eval", "prompt": "Q", "row": {}, "scores": [1.0], "answers": ["Just one sentence here now."]}]
+    pairs = bench.short_answer_pairs(lines, label, 3)
+    # P's cuts: answer 0's last line "P.S. Bye now." (0), answer 1's first sentence "Tiny." (0); answer 2 is one
+    # line and one sentence: no cut. Pairs with a cut: answer 0 (1) and answer 2 (1) over each cut (0); answer 1
+    # (0) ties with them. Q has no cut.
+    assert [(p["chosen"], p["rejected"]) for p in pairs] == [
+        (" One two three four. Five six seven.\nP.S. Bye now.", " P.S. Bye now."),
+        (" One two three four. Five six seven.\nP.S. Bye now.", " Tiny."),
+        (" Solo line here ok.", " P.S. Bye now."), (" Solo line here ok.", " Tiny.")]
+    assert bench.short_answer_pairs(lines, label, 1) == pairs[:1]  # k 1: answer 0 and its one cut
+    r = {"pair_accuracy": {"overall": {"accuracy": 0.5, "pairs": 4}, "groups": {}},
+         "short_pair_accuracy": {"pairs": 4, "correct": 1, "accuracy": 0.25, "short_chosen": 0}}
+    assert bench.rm_lines(r)[2] == ("short answers: pair accuracy 0.250 on 4 eval pairs with a short answer cut "
+                                    "from a sampled one (0 with the cut the better)")
+
+
+def test_short_pair_accuracy_scores_the_short_pairs_with_the_reward_model(tmp_path, monkeypatch):
+    """On an untrained tiny reward model: the accuracy is that of its own scores of the pairs
+    :func:`short_answer_pairs` gives from the collection's eval lines (train lines left out), labelled by the row's
+    labeller (ifeval_kept: a cut under 10 words keeps nothing)."""
+    import torch
+
+    from utils.data.chat_template import chat_format
+    from utils.model.critic import create_critic_model, load_reward_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.scoring import score_texts
+    from utils.model.tiny import resolve_model_path
+
+    bench = load_bench(monkeypatch)
+    model = resolve_model_path("tiny-llama")
+    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
+    torch.manual_seed(0)
+    save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
+    reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
+    row = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}], "reference_output": "x"}
+    long = "The river runs through the old town and past the mill"
+    lines = [{"split": split, "prompt": f" Human: {split} river? Assistant:", "row": row, "scores": [1.0, 1.0],
+              "answers": [f"{long}.\nP.S. It is wide.", f"{long} today. It is calm."]} for split in ("train", "eval")]
+    (tmp_path / "comparisons").mkdir()
+    (tmp_path / "comparisons" / "answers.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    opts = options(bench, rm_answers=2, rm_max_seq_len=128, rm_dtype="fp32")
+    result = bench.short_pair_accuracy({"comparisons": str(tmp_path / "comparisons")}, opts, reward_model,
+                                       reward_tokenizer)
+    from ifeval_reward import ifeval_kept  # beside the bench
+
+    pairs = bench.short_answer_pairs(lines[1:], ifeval_kept, 2)
+    # the cuts: "P.S. It is wide." (4 words: 0) and answer 1's first sentence (12 words, no comma: 1); the pairs:
+    # each answer over the P.S., and the 12-word cut over it too (a cut the better one)
+    assert len(pairs) == 3 and result["pairs"] == 3 and result["short_chosen"] == 1
+    assert {p["rejected"] for p in pairs} == {" P.S. It is wide."}
+    chat = chat_format(reward_tokenizer)
+    chosen, rejected = (score_texts(reward_model, reward_tokenizer, [(p["prompt"], p[k]) for p in pairs], 128, "",
+                                    chat=chat) for k in ("chosen", "rejected"))
+    correct = sum(c > r for c, r in zip(chosen, rejected))
+    assert result["correct"] == correct and result["accuracy"] == correct / 3
+
+
 def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatch):
     """log n − (n−1)/n by hand (n 8: 2.0794 − 0.875 = 1.2044; n 1: 0), only at temperature 1; a kept ``rm`` row is
     measured again when its n or temperature is not this run's (one from before the flag sampled at 1.0)."""
