@@ -46,6 +46,21 @@ def tiny_ifeval(tmp_path, n=40, heldout=10) -> dict:
     return {"dir": str(out), "train": str(out / "train.jsonl"), **{name: part for name, part in files.items()}}
 
 
+def tiny_reward_model(tmp_path):
+    """``(reward model, tokenizer)``: an untrained tiny reward model (seeded), saved and loaded as step 2's are."""
+    import torch
+
+    from utils.model.critic import create_critic_model, load_reward_model, save_reward_model
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.tiny import resolve_model_path
+
+    model = resolve_model_path("tiny-llama")
+    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
+    torch.manual_seed(0)
+    save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
+    return load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
+
+
 # --------------------------------------------------------------------------- the held-out prompts stay out
 
 def test_the_heldout_prompts_never_reach_the_comparison_collector(tmp_path, monkeypatch):
@@ -379,20 +394,11 @@ def test_short_pair_accuracy_scores_the_short_pairs_with_the_reward_model(tmp_pa
     """On an untrained tiny reward model: the accuracy is that of its own scores of the pairs
     :func:`short_answer_pairs` gives from the collection's eval lines (train lines left out), labelled by the row's
     labeller (ifeval_kept: a cut under 10 words keeps nothing)."""
-    import torch
-
     from utils.data.chat_template import chat_format
-    from utils.model.critic import create_critic_model, load_reward_model, save_reward_model
-    from utils.model.model_utils import load_hf_tokenizer
     from utils.model.scoring import score_texts
-    from utils.model.tiny import resolve_model_path
 
     bench = load_bench(monkeypatch)
-    model = resolve_model_path("tiny-llama")
-    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
-    torch.manual_seed(0)
-    save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
-    reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
+    reward_model, reward_tokenizer = tiny_reward_model(tmp_path)
     row = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}], "reference_output": "x"}
     long = "The river runs through the old town and past the mill"
     lines = [{"split": split, "prompt": f" Human: {split} river? Assistant:", "row": row, "scores": [1.0, 1.0],
@@ -464,17 +470,12 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
     import torch
 
     from utils.data.chat_template import chat_format
-    from utils.model.critic import create_critic_model, load_reward_model, save_reward_model
-    from utils.model.model_utils import load_hf_tokenizer
     from utils.model.scoring import score_texts
     from utils.model.tiny import resolve_model_path
 
     bench = load_bench(monkeypatch)
     model = resolve_model_path("tiny-llama")
-    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
-    torch.manual_seed(0)
-    save_reward_model(create_critic_model(model, tokenizer, None, 0), tokenizer, str(tmp_path / "rm"))
-    reward_model, reward_tokenizer = load_reward_model(str(tmp_path / "rm"), apply_chat_template=True)
+    reward_model, reward_tokenizer = tiny_reward_model(tmp_path)
     actor, actor_tokenizer, fmt = bench.load(model)
     opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128,
                      generation_dtype=None if precision == "fp32" else "bf16", rm_dtype=precision)
