@@ -402,16 +402,21 @@ def rm_commands(model: str, paths: dict, opts) -> list:
     """DeepSpeed-Chat's step 2 on the model's own answers: ``--rm_answers`` sampled answers to each prompt of
     ``paths["prompts"]`` (:func:`write_rm_prompts`), ranked by the checker's reward, every pair of differently
     scored answers (ties left out) → a reward model started from ``--rm_model`` (the model itself by default),
-    InstructGPT's loss on the end scores, evaluated on the eval prompts' pairs every ``--rm_eval_interval`` steps."""
+    InstructGPT's loss on the end scores, evaluated on the eval prompts' pairs every ``--rm_eval_interval`` steps.
+    With ``--rm_answers_from``, the answers another run sampled are labelled again instead (no sampling)."""
     common = ["--apply_chat_template", "--seed", str(opts.seed), "--data_output_path", paths["data"]]
+    labelling = ["--label_fn", RM_LABELS[opts.rm_label], "--min_gap", str(opts.rm_min_gap), "--short_answers",
+                 str(opts.rm_short_answers), "--output_dir", paths["comparisons"], "--overwrite"]
+    if opts.rm_answers_from:
+        collect = ["--from_answers", rm_paths(opts.rm_answers_from)["comparisons"], *labelling, *common]
+    else:
+        collect = ["--actor_model_name_or_path", model, "--data_path", paths["prompts"], "--data_split", "0,1,0",
+                   "--num_answers", str(opts.rm_answers), "--max_new_tokens", str(opts.answer_len), "--temperature",
+                   "1.0", "--max_prompts", str(opts.rm_prompts), "--max_eval_prompts", "0", "--batch_size",
+                   str(opts.rm_collect_batch), *labelling,
+                   *(["--dtype", opts.generation_dtype] if opts.generation_dtype else []), *common]
     return [
-        ["step2_reward_model_finetuning/collect_comparisons.py", "--actor_model_name_or_path", model, "--data_path",
-         paths["prompts"], "--data_split", "0,1,0", "--label_fn", RM_LABELS[opts.rm_label], "--min_gap",
-         str(opts.rm_min_gap), "--num_answers", str(opts.rm_answers),
-         "--max_new_tokens", str(opts.answer_len), "--temperature", "1.0", "--max_prompts", str(opts.rm_prompts),
-         "--max_eval_prompts", "0", "--batch_size", str(opts.rm_collect_batch), "--output_dir", paths["comparisons"],
-         "--overwrite", "--short_answers", str(opts.rm_short_answers),
-         *(["--dtype", opts.generation_dtype] if opts.generation_dtype else []), *common],
+        ["step2_reward_model_finetuning/collect_comparisons.py", *collect],
         ["step2_reward_model_finetuning/main.py", "--model_name_or_path", opts.rm_model or model, "--data_path",
          paths["comparisons"], "--data_split", "0,1,0", "--num_padding_at_beginning",
          str(opts.num_padding_at_beginning), "--max_seq_len", str(opts.rm_max_seq_len),
@@ -931,6 +936,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the collector's --short_answers: M short answers cut from each train prompt's sampled "
                         "ones (a last line, a first sentence), labelled like the rest, so the reward model sees "
                         "what the labeller's substance guard costs a short answer (PPO's first hack)")
+    g.add_argument("--rm_answers_from", metavar="WORK", default=None,
+                   help="label the answers another run's rm row sampled (WORK/rm/comparisons/answers.jsonl) instead "
+                        "of sampling: another --rm_label, --rm_min_gap or --rm_short_answers without the sampling's "
+                        "cost (the prompts and the sampling are that run's)")
     g.add_argument("--rm_min_gap", type=float, default=0.0,
                    help="the collector's --min_gap: closer scores are a tie (no pair)")
     g.add_argument("--rm_model", default=None, help="the model the reward model starts from (default: --model)")
@@ -988,6 +997,13 @@ def main(argv=None):
             or opts.rm_collect_batch < 1):
         raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2, --rm_eval_prompts ≥ 1, "
                              "--best_of_temperature > 0 and --rm_collect_batch ≥ 1")
+    if opts.rm_answers_from:
+        kept = os.path.join(rm_paths(opts.rm_answers_from)["comparisons"], "answers.jsonl")
+        if not os.path.isfile(kept):
+            raise UserInputError(f"--rm_answers_from {opts.rm_answers_from}: no {kept} (an rm row's collection keeps "
+                                 "its answers there)")
+        if os.path.realpath(opts.rm_answers_from) == os.path.realpath(opts.work):
+            raise UserInputError(f"--rm_answers_from {opts.rm_answers_from} is the --work folder: give another run's")
     if opts.summarize:
         folders = [os.path.normpath(work) for work in opts.summarize]
         twice = sorted({work for work in folders if folders.count(work) > 1})

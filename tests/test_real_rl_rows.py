@@ -220,6 +220,11 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     assert default_collect.short_answers == 0  # the measured recipe cuts none
     cut = bench.rm_commands("model", paths, options(bench, rm_short_answers=2))[0]
     assert collect_comparisons.parse_args(cut[1:]).short_answers == 2
+    # another run's answers labelled again: no actor, no sampling flags, this run's labelling and output
+    again = collect_comparisons.parse_args(bench.rm_commands("model", paths, options(
+        bench, rm_answers_from="/runs/a", rm_short_answers=2, rm_label="guarded"))[0][1:])
+    assert (again.from_answers, again.actor_model_name_or_path) == ("/runs/a/rm/comparisons", None)
+    assert (again.label_fn, again.short_answers, again.output_dir) == (bench.GUARDED, 2, paths["comparisons"])
     fast = bench.rm_commands("model", paths, options(bench, rm_dtype="bf16", generation_dtype="bf16"))
     s, c = step2_args(fast[1][1:]), collect_comparisons.parse_args(fast[0][1:])
     validate_common(s)
@@ -231,7 +236,7 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     assert (c.max_prompts, c.batch_size, default.eval_interval) == (200, 32, 22)
 
 
-def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
+def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch, tmp_path):
     from utils.errors import UserInputError
 
     bench = load_bench(monkeypatch)
@@ -243,6 +248,12 @@ def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch):
         bench.main(["--rows", "rm", "--best_of_temperature", "0"])
     with pytest.raises(UserInputError, match="--rm_collect_batch ≥ 1"):
         bench.main(["--rows", "rm", "--rm_collect_batch", "0"])
+    with pytest.raises(UserInputError, match="no .*answers.jsonl"):
+        bench.main(["--rows", "rm", "--rm_answers_from", str(tmp_path / "nowhere")])
+    (tmp_path / "rm" / "comparisons").mkdir(parents=True)
+    (tmp_path / "rm" / "comparisons" / "answers.jsonl").write_text("")
+    with pytest.raises(UserInputError, match="is the --work folder"):
+        bench.main(["--rows", "rm", "--rm_answers_from", str(tmp_path), "--work", str(tmp_path)])
 
 
 # --------------------------------------------------------------------------- the reward model's measures, by hand
