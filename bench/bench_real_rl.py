@@ -486,12 +486,12 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
     scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
     reads them as the collector wrote its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping),
     the answer after a space, in its chat template."""
+    import torch
+
     from utils.answers import generate_answers
     from utils.data.chat_template import chat_format
     from utils.data.local_datasets import normalize_prompt
     from utils.model.scoring import best_of_n, score_answers
-
-    import torch
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
     if opts.generation_dtype:  # a bf16 copy samples (the collector's answers came from one too)
