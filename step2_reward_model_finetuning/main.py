@@ -145,10 +145,16 @@ def run(args, folder):
     # ---- engine: optimizer, schedule, deepspeed.initialize
     model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)
 
+    last = {}  # the latest evaluation: {"step", "metrics"}
+
     def evaluate(step: int, when: str) -> dict:
+        if last.get("step") == step:  # an epoch ending where --eval_interval just evaluated: the same model
+            log.info(f"eval {when}: as at step {step}")
+            return last["metrics"]
         metrics = evaluate_reward(model, eval_loader, device, args.eval_iters)
         log.info(f"eval {when}: {format_eval(metrics)}")
         log.scalars(step, "eval", **metrics)
+        last.update(step=step, metrics=metrics)
         return metrics
 
     # ---- resume (automatic when --output_dir holds a valid checkpoint)

@@ -169,3 +169,19 @@ def test_negative_eval_iters_is_refused():
 
     with pytest.raises(UserInputError, match="--eval_iters must be ≥ 0"):
         validate_common(parse_args(["--eval_iters", "-1"]))
+
+
+@pytest.mark.slow
+def test_an_epoch_ending_on_an_interval_evaluation_is_not_evaluated_twice(tmp_path):
+    """``--eval_interval 1`` over two epochs: every step is evaluated once (the first epoch's last step by the
+    interval, its end reusing that), the log still says "eval after epoch 1"; the last step once, after the
+    epoch."""
+    out = tmp_path / "rm"
+    proc = _ok(run_entry(STEP2, "--model_name_or_path", "tiny-opt", "--data_path", "builtin/preference-small",
+                         "--data_output_path", tmp_path / "data", "--output_dir", out, "--num_train_epochs", 2,
+                         "--per_device_train_batch_size", 64, "--max_seq_len", 64, "--eval_interval", 1,
+                         "--eval_iters", 1, env=OMP))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("phase") == "eval"]
+    assert steps == list(range(len(steps))) and len(steps) >= 4, steps
+    assert "eval after epoch 1: as at step" in proc.stdout and "eval after epoch 2: chosen" in proc.stdout
