@@ -28,7 +28,8 @@ Rows:
   instructions never reach the collector) → step 2 (``--rm_model``, ``--rm_lr``, ``--rm_epochs``, ``--rm_steps``,
   ``--rm_kwise``, ``--num_padding_at_beginning``). Measured: pair accuracy on the eval pairs, overall and per
   type, beside step 2's eval curve; and best-of-``--best_of`` on the held-out sets (the base model's sampled
-  answers, the reward model's pick of each prompt), scored as the greedy answers are;
+  answers, the reward model's pick of each prompt), scored as the greedy answers are; the draw is kept in
+  ``WORK/best_of`` and reused by a rerun or, with ``--best_of_answers_from WORK``, by another reward model's run;
 * ``ppo``: DeepSpeed-Chat's whole path: that reward model → step 3 PPO against it alone (no checker in the
   reward), evaluated every ``--eval_every`` steps, its best checkpoint named in results.json (the highest held-out
   strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``:
@@ -480,12 +481,54 @@ def proxy_curve(path: str, row: str) -> tuple:
     return metrics_curve(path, "train", "task_reward") or metrics_curve(path, "train", "reward"), label
 
 
-def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts) -> tuple:
+def best_of_settings(model: str, prompts: list, opts) -> dict:
+    """What a draw of best-of-n answers depends on (not the reward model): the sampling model (its weights'
+    content hash), the prompts, n, temperature, answer length, seed and sampling precision. A kept draw
+    (:func:`sampled_answers`) is reused only when every one matches."""
+    from utils.files import content_hash
+    from utils.model.critic import WEIGHTS_FILE
+
+    weights = os.path.join(model, WEIGHTS_FILE)
+    return {"model": content_hash(weights, sample=1 << 20) if os.path.isfile(weights) else os.path.abspath(model),
+            "prompts": content_hash(json.dumps(prompts).encode()), "n": opts.best_of,
+            "temperature": opts.best_of_temperature, "answer_len": opts.answer_len, "seed": opts.seed,
+            "dtype": opts.generation_dtype or "fp32"}
+
+
+def sampled_answers(paths: list, settings: dict, sample) -> list:
+    """The ``[P][N]`` answers of a best-of-n draw: the ones kept in the first of ``paths`` (JSON files
+    ``{"settings", "answers"}``) drawn with these ``settings``, else ``sample()``'s, kept in ``paths[0]``
+    (atomically) before they are scored. The draw is most of the rm row's evaluation (~30 min for 8 answers to 220
+    prompts on 2 CPU cores), is the same for any reward model, and survives a crash or a killed session this way.
+    ``paths`` empty: nothing kept."""
+    from utils.files import atomic_write_text
+
+    answers = None
+    for path in paths:
+        if os.path.isfile(path):
+            with open(path) as f:
+                kept = json.load(f)
+            if kept.get("settings") == settings:
+                print(f"    best of {settings['n']}: the draw kept in {path}", flush=True)
+                if path == paths[0]:
+                    return kept["answers"]
+                answers = kept["answers"]  # another run's: kept in this run's folder too
+                break
+    answers = sample() if answers is None else answers
+    if paths:
+        os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+        atomic_write_text(paths[0], json.dumps({"settings": settings, "answers": answers}, ensure_ascii=False))
+    return answers
+
+
+def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts,
+                      keep: tuple = ()) -> tuple:
     """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
     scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
     reads them as the collector wrote its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping),
-    the answer after a space, in its chat template."""
+    the answer after a space, in its chat template. ``keep``: the files the draw is reused from, the first also
+    where it is kept (:func:`sampled_answers`; the actor is ``--model``)."""
     import torch
 
     from utils.answers import generate_answers
@@ -494,12 +537,17 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
     from utils.model.scoring import best_of_n, score_answers
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
-    if opts.generation_dtype:  # a bf16 copy samples (the collector's answers came from one too)
-        actor = copy.deepcopy(actor).to(torch.bfloat16)
-    sampled = generate_answers(actor, tokenizer, wrapped, opts.answer_len, {"temperature": opts.best_of_temperature,
-                                                                            "top_k": 0, "top_p": 1.0},
-                               per_prompt=n, seed=opts.seed, batch_size=8, chat=fmt)
-    answers = [sampled[i * n:(i + 1) * n] for i in range(len(prompts))]  # [P][N]
+
+    def sample() -> list:
+        sampler = copy.deepcopy(actor).to(torch.bfloat16) if opts.generation_dtype else actor  # as the collector's
+        flat = generate_answers(sampler, tokenizer, wrapped, opts.answer_len,
+                                {"temperature": opts.best_of_temperature, "top_k": 0, "top_p": 1.0}, per_prompt=n,
+                                seed=opts.seed, batch_size=8, chat=fmt,
+                                progress=lambda done: print(f"    best of {n}: {done}/{len(prompts)} prompts sampled",
+                                                            flush=True))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]  # [P][N]
+
+    answers = sampled_answers(list(keep), best_of_settings(opts.model, prompts, opts) if keep else {}, sample)
     with rm_autocast(opts):
         scores = score_answers(reward_model, reward_tokenizer, wrapped, [[" " + a for a in row] for row in answers],
                                opts.rm_max_seq_len, "", device=device(), chat=chat_format(reward_tokenizer))  # [P,N]
@@ -610,13 +658,17 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     short = short_pair_accuracy(paths, opts, reward_model, reward_tokenizer)
     actor, tokenizer, fmt = load(opts.model)
     rows = data["heldout"]
+    # the draws, kept in WORK/best_of and reused by any reward model (another run's too: --best_of_answers_from)
+    keep = [os.path.join(work, "best_of") for work in (opts.work, opts.best_of_answers_from) if work]
     answers, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
-                                                 [r["prompt"] for r in rows], opts)
+                                                 [r["prompt"] for r in rows], opts,
+                                                 [os.path.join(k, "heldout.json") for k in keep])
     result = score_constrained(rows, answers)
     result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
     result["best_of_curve"] = best_of_curve(rows, sampled, picked)
     reworded, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
-                                                  [r["prompt"] for r in data["reworded"]], opts)
+                                                  [r["prompt"] for r in data["reworded"]], opts,
+                                                  [os.path.join(k, "reworded.json") for k in keep])
     result["reworded"] = score_constrained(data["reworded"], reworded)
     result["reworded"]["best_of_curve"] = best_of_curve(data["reworded"], sampled, picked)
     n, temperature = opts.best_of, opts.best_of_temperature
@@ -959,6 +1011,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_padding_at_beginning", type=int, default=0,
                    help="steps 2 and 3's (0 for a Llama-style tokenizer, 1 for OPT's)")
     g.add_argument("--best_of", type=int, default=8, help="the rm row's answers sampled a held-out prompt")
+    g.add_argument("--best_of_answers_from", metavar="WORK", default=None,
+                   help="score the best-of-n answers another run drew (WORK/best_of/*.json) when drawn with this "
+                        "run's model, n, temperature, answer length, seed and precision: the draw is most of the rm "
+                        "row's evaluation and the same for any reward model (each run keeps its own draw in "
+                        "--work/best_of)")
     g.add_argument("--best_of_temperature", type=float, default=1.0,
                    help="the rm row's sampling temperature for those answers (lower: closer to the greedy answer's "
                         "content, less to choose from)")
@@ -1004,6 +1061,9 @@ def main(argv=None):
                                  "its answers there)")
         if os.path.realpath(opts.rm_answers_from) == os.path.realpath(opts.work):
             raise UserInputError(f"--rm_answers_from {opts.rm_answers_from} is the --work folder: give another run's")
+    if opts.best_of_answers_from and not os.path.isdir(os.path.join(opts.best_of_answers_from, "best_of")):
+        raise UserInputError(f"--best_of_answers_from {opts.best_of_answers_from}: no best_of folder there (an rm "
+                             "row's evaluation keeps its draws in WORK/best_of)")
     if opts.summarize:
         folders = [os.path.normpath(work) for work in opts.summarize]
         twice = sorted({work for work in folders if folders.count(work) > 1})

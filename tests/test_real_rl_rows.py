@@ -453,6 +453,44 @@ def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatc
     assert bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, opts)
 
 
+def test_a_best_of_draw_is_kept_and_reused_only_when_drawn_the_same_way(tmp_path, monkeypatch):
+    """The rm row's draw (``WORK/best_of/*.json``): kept before scoring, reused when its settings match (sampled
+    once), drawn again and replaced when they do not; another run's (``--best_of_answers_from``) reused and kept in
+    this run's folder; no file without paths. The settings follow the prompts, n, seed and precision."""
+    bench = load_bench(monkeypatch)
+    calls = []
+
+    def sample(answers):
+        def draw():
+            calls.append(answers)
+            return answers
+        return draw
+
+    own = str(tmp_path / "own" / "best_of" / "heldout.json")
+    settings = {"n": 2, "seed": 1}
+    assert bench.sampled_answers([own], settings, sample([["a", "b"]])) == [["a", "b"]] and len(calls) == 1
+    assert bench.sampled_answers([own], settings, sample([["x", "y"]])) == [["a", "b"]] and len(calls) == 1
+    assert bench.sampled_answers([own], {**settings, "seed": 2}, sample([["c", "d"]])) == [["c", "d"]]
+    assert json.loads(open(own).read()) == {"settings": {"n": 2, "seed": 2}, "answers": [["c", "d"]]}
+    third = str(tmp_path / "third" / "best_of" / "heldout.json")
+    assert bench.sampled_answers([third, own], {**settings, "seed": 2}, sample([["z"]])) == [["c", "d"]]
+    assert len(calls) == 2 and json.loads(open(third).read())["answers"] == [["c", "d"]]
+    assert bench.sampled_answers([], settings, sample([["e"]])) == [["e"]] and len(calls) == 3
+    # what a draw depends on
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"weights")
+    opts = options(bench, best_of=8, best_of_temperature=0.7, answer_len=128, seed=1234, generation_dtype=None)
+    base = bench.best_of_settings(str(tmp_path / "model"), ["p", "q"], opts)
+    assert base == bench.best_of_settings(str(tmp_path / "model"), ["p", "q"], opts)
+    assert base["dtype"] == "fp32" and base["n"] == 8 and base["temperature"] == 0.7 and base["seed"] == 1234
+    for other in (bench.best_of_settings(str(tmp_path / "model"), ["p", "r"], opts),
+                  bench.best_of_settings(str(tmp_path / "model"), ["p", "q"], options(bench, best_of=8,
+                                         best_of_temperature=0.7, answer_len=128, seed=1234, generation_dtype="bf16"))):
+        assert other != base
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"other weights")
+    assert bench.best_of_settings(str(tmp_path / "model"), ["p", "q"], opts)["model"] != base["model"]
+
+
 # --------------------------------------------------------------------------- pairs and best of n on the tiny model
 
 def test_comparisons_carry_their_prompts_constraint_types(monkeypatch):
@@ -509,6 +547,17 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
         row = apart[4 * p:4 * p + 4]
         assert best[p] == sampled[4 * p + row.index(max(row))] and samples[p] == sampled[4 * p:4 * p + 4]
         assert scores[p].tolist() == pytest.approx(row, abs=1e-5)
+    # kept in a file: the same draw, sampled once (generate_answers is not called again)
+    keep = [str(tmp_path / "best_of" / "heldout.json")]
+    opts.model = model
+    assert bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer, prompts, opts,
+                                   keep)[2] == samples
+    import utils.answers
+
+    monkeypatch.setattr(utils.answers, "generate_answers", lambda *a, **k: pytest.fail("sampled again"))
+    again, again_scores, again_samples = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model,
+                                                                 reward_tokenizer, prompts, opts, keep)
+    assert again == best and again_samples == samples and again_scores.tolist() == scores.tolist()
 
 
 # --------------------------------------------------------------------------- the whole path on the tiny model
