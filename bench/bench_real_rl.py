@@ -326,7 +326,9 @@ def overlong_flags(opts) -> list:
 def step3_flags(model: str, data: dict, out: str, opts) -> list:
     """Step 3's flags that the GRPO row and the PPO rows share: the data, seed and budget (prompts and answers a
     step, steps, answer length, sampling, learning rate and schedule, KL coefficient, precision, checkpoints every
-    ``--eval_every`` steps), so that the rows differ only in how they score and credit an answer."""
+    ``--eval_every`` steps), so that the rows differ only in how they score and credit an answer. A row's folder
+    with checkpoints and no final actor (a run killed, or a session ended, during training) is resumed (no
+    ``--overwrite``: step 3 resumes from the newest checkpoint, and refuses one of other settings)."""
     return ["step3_rlhf_finetuning/main.py", "--actor_model_name_or_path", model, "--data_path", data["train"],
             "--data_split", "0,0,1", "--data_output_path", os.path.join(out, "data"), "--apply_chat_template",
             "--n_samples_per_prompt", str(opts.group), "--per_device_generation_batch_size", str(opts.prompts),
@@ -335,7 +337,7 @@ def step3_flags(model: str, data: dict, out: str, opts) -> list:
             "--kl_ctl", str(opts.kl), "--actor_learning_rate", str(opts.lr), "--lr_scheduler_type", opts.schedule,
             "--num_warmup_steps", str(opts.warmup), "--num_train_epochs", "10", "--max_steps", str(opts.steps),
             "--dtype", opts.dtype, "--seed", str(opts.seed), "--save_interval", str(opts.eval_every),
-            "--max_checkpoints", "100", "--output_dir", out, "--overwrite",
+            "--max_checkpoints", "100", "--output_dir", out, *([] if checkpoint_weights(out) else ["--overwrite"]),
             "--adam_betas", *map(str, opts.adam_betas), *(["--torch_autocast"] if opts.autocast else []),
             *(["--generation_dtype", opts.generation_dtype] if opts.generation_dtype else []), *overlong_flags(opts)]
 

@@ -189,6 +189,13 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
         (7, 30, 10, 8, True)
     tuned = bench.ppo_command("model", data, "out", reward, options(bench, ppo_args="--lam 0.9 --kl_ctl 0.1"))
     assert (step3_args(tuned[1:]).lam, step3_args(tuned[1:]).kl_ctl) == (0.9, 0.1)
+    # a row killed during training (checkpoints, no actor/) is resumed: no --overwrite, which would set them aside
+    assert "--overwrite" in bench.ppo_command("model", data, str(tmp_path / "ppo"), reward, opts)
+    states = tmp_path / "ppo" / "checkpoints" / "step-00000010" / "actor" / "state"
+    states.mkdir(parents=True)
+    (states / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert "--overwrite" not in bench.ppo_command("model", data, str(tmp_path / "ppo"), reward, opts)
+    assert "--overwrite" in bench.grpo_command("model", data, str(tmp_path / "grpo"), opts)
 
     opts = options(bench, seed=7, rm_model="other", rm_lr=1e-5, rm_epochs=2, rm_steps=50, rm_kwise=True,
                    num_padding_at_beginning=1, rm_prompts=100)
