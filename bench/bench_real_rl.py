@@ -540,13 +540,17 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
 
+    done = [0]
+
+    def progress(batch: int) -> None:  # generate_answers reports each batch's prompts (tqdm's update)
+        done[0] += batch
+        print(f"    best of {n}: {done[0]}/{len(prompts)} prompts sampled", flush=True)
+
     def sample() -> list:
         sampler = copy.deepcopy(actor).to(torch.bfloat16) if opts.generation_dtype else actor  # as the collector's
         flat = generate_answers(sampler, tokenizer, wrapped, opts.answer_len,
                                 {"temperature": opts.best_of_temperature, "top_k": 0, "top_p": 1.0}, per_prompt=n,
-                                seed=opts.seed, batch_size=8, chat=fmt,
-                                progress=lambda done: print(f"    best of {n}: {done}/{len(prompts)} prompts sampled",
-                                                            flush=True))
+                                seed=opts.seed, batch_size=8, chat=fmt, progress=progress)
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]  # [P][N]
 
     answers = sampled_answers(list(keep), best_of_settings(opts.model, prompts, opts) if keep else {}, sample)

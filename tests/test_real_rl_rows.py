@@ -460,7 +460,7 @@ def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatc
     assert bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, opts)
 
 
-def test_a_best_of_draw_is_kept_and_reused_only_when_drawn_the_same_way(tmp_path, monkeypatch):
+def test_a_best_of_draw_is_kept_and_reused_only_when_drawn_the_same_way(tmp_path, monkeypatch, capsys):
     """The rm row's draw (``WORK/best_of/*.json``): kept before scoring, reused when its settings match (sampled
     once), drawn again and replaced when they do not; another run's (``--best_of_answers_from``) reused and kept in
     this run's folder; no file without paths. The settings follow the prompts, n, seed and precision."""
@@ -483,6 +483,26 @@ def test_a_best_of_draw_is_kept_and_reused_only_when_drawn_the_same_way(tmp_path
     assert bench.sampled_answers([third, own], {**settings, "seed": 2}, sample([["z"]])) == [["c", "d"]]
     assert len(calls) == 2 and json.loads(open(third).read())["answers"] == [["c", "d"]]
     assert bench.sampled_answers([], settings, sample([["e"]])) == [["e"]] and len(calls) == 3
+    # the progress line counts the prompts so far (generate_answers reports each batch's, as tqdm's update takes)
+    import torch
+
+    import utils.answers
+    import utils.data.chat_template
+    import utils.model.scoring
+
+    def fake_generate(model, tokenizer, prompts, length, sampling, per_prompt, seed, batch_size, chat, progress):
+        for start in range(0, len(prompts), batch_size):
+            progress(len(prompts[start:start + batch_size]))
+        return ["answer"] * (len(prompts) * per_prompt)
+
+    monkeypatch.setattr(utils.answers, "generate_answers", fake_generate)
+    monkeypatch.setattr(utils.model.scoring, "score_answers", lambda *a, **k: torch.zeros(9, 2))
+    monkeypatch.setattr(utils.data.chat_template, "chat_format", lambda tokenizer: None)
+    capsys.readouterr()
+    bench.best_of_n_answers(None, None, None, None, None, [f"p{i}" for i in range(9)],
+                            options(bench, best_of=2, generation_dtype=None, rm_dtype="fp32"))
+    assert capsys.readouterr().out.splitlines() == ["    best of 2: 8/9 prompts sampled",
+                                                    "    best of 2: 9/9 prompts sampled"]
     # what a draw depends on
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.safetensors").write_bytes(b"weights")

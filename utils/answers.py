@@ -21,8 +21,8 @@ def generate_answers(model, tokenizer, prompts: List[str], max_new_tokens: int, 
 
     Greedy when ``sampling`` is None (then ``per_prompt`` copies of the one greedy answer are pointless: use 1);
     else ``sampling = {"temperature", "top_k", "top_p"}`` (step 3's flags). Drawn after seeding torch with
-    ``seed``; the caller's random state is restored afterwards. ``progress(n)`` is called with the number of
-    prompts done after each batch.
+    ``seed``; the caller's random state is restored afterwards. ``progress(n)`` is called after each batch with
+    the number of prompts it held (an increment, as tqdm's ``update`` takes).
 
     ``chat`` (a :class:`utils.data.chat_template.ChatFormat`): the prompts (DeepSpeed-Chat text) are written in the
     model's chat template and an answer ends at its end of turn. Prompts of a chat template rarely share a length,
