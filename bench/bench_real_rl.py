@@ -505,18 +505,22 @@ def sampled_answers(paths: list, settings: dict, sample) -> list:
     ``paths`` empty: nothing kept."""
     from utils.files import atomic_write_text
 
-    answers = None
+    def kept(path: str):
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            draw = json.load(f)
+        return draw["answers"] if draw.get("settings") == settings else None
+
     for path in paths:
-        if os.path.isfile(path):
-            with open(path) as f:
-                kept = json.load(f)
-            if kept.get("settings") == settings:
-                print(f"    best of {settings['n']}: the draw kept in {path}", flush=True)
-                if path == paths[0]:
-                    return kept["answers"]
-                answers = kept["answers"]  # another run's: kept in this run's folder too
-                break
-    answers = sample() if answers is None else answers
+        answers = kept(path)
+        if answers is not None:
+            print(f"    best of {settings['n']}: the draw kept in {path}", flush=True)
+            if path == paths[0]:
+                return answers
+            break  # another run's: kept in this run's folder too
+    else:
+        answers = sample()
     if paths:
         os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
         atomic_write_text(paths[0], json.dumps({"settings": settings, "answers": answers}, ensure_ascii=False))
@@ -524,7 +528,7 @@ def sampled_answers(paths: list, settings: dict, sample) -> list:
 
 
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts,
-                      keep: tuple = ()) -> tuple:
+                      keep: list = ()) -> tuple:
     """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
     scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
