@@ -35,7 +35,8 @@ Rows:
   strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``:
   the reward model's mean score (step 3's metrics.jsonl, before any overlong penalty) and the held-out compliance
   against the step. ``--ppo_args`` adds step-3 flags to both PPO rows (GAE λ and γ, value
-  clipping, ...; ``--critic_lr`` the critic's learning rate).
+  clipping, ...; ``--critic_lr`` the critic's learning rate), ``--ppo_ptx C`` InstructGPT's PPO-ptx (step 3's LM
+  loss, weighted C, on alpaca's answers to the training instructions: :func:`ptx_texts`).
 
 The held-out evaluation (:func:`evaluate`, greedy, the chat template, the training's 128 tokens) of each model:
 strict compliance (every constraint of a prompt kept) and per type, on the template set (``heldout.jsonl``: the
@@ -355,7 +356,16 @@ def ppo_command(model: str, data: dict, out: str, reward: str, opts, reward_fn: 
     any flag before them (step 3's parser keeps a flag's last value)."""
     return [*step3_flags(model, data, out, opts), "--advantage_estimator", "gae", "--critic_model_name_or_path",
             reward, "--num_padding_at_beginning", str(opts.num_padding_at_beginning), "--critic_learning_rate",
-            str(opts.critic_lr), *(["--reward_fn", reward_fn] if reward_fn else []), *shlex.split(opts.ppo_args)]
+            str(opts.critic_lr), *(["--reward_fn", reward_fn] if reward_fn else []), *ptx_flags(model, data, opts),
+            *shlex.split(opts.ppo_args)]
+
+
+def ptx_flags(model: str, data: dict, opts) -> list:
+    """The PPO rows' PPO-ptx flags (``--ppo_ptx C``): step 3's LM loss, weighted C, on alpaca's answers to the
+    training instructions (:func:`write_ptx`); none when C is 0."""
+    if not opts.ppo_ptx:
+        return []
+    return ["--unsupervised_dataset_name", write_ptx(data, model), "--unsup_coef", str(opts.ppo_ptx)]
 
 
 def trl_command(model: str, data: dict, out: str, opts) -> list:
@@ -370,6 +380,31 @@ def trl_command(model: str, data: dict, out: str, opts) -> list:
             "--loss_type", "dapo",  # TRL's token mean over the batch: step 3's loss
             "--adam_betas", *map(str, opts.adam_betas),  # step 3's AdamW, not transformers' default (0.9, 0.999)
             *overlong_flags(opts)]
+
+
+def ptx_texts(train_rows: list, fmt) -> list:
+    """The PPO rows' PPO-ptx text (``--ppo_ptx``): each training row's instruction without its constraints and
+    alpaca's answer to it, one conversation a text as the chat template writes it (the prompt, then the answer turn
+    up to its end-of-turn token). Only ``train.jsonl``'s rows: never a held-out instruction."""
+    texts = []
+    for row in train_rows:
+        turn = [{"role": "user", "content": row["instruction"]}]
+        texts.append(fmt.prompt(turn) + fmt.answer(turn, row["reference_output"]))
+    return texts
+
+
+def write_ptx(data: dict, model: str) -> str:
+    """``ptx.jsonl`` (column ``text``: :func:`ptx_texts`) beside the data, written once; its path (step 3's
+    ``--unsupervised_dataset_name``)."""
+    from utils.data.chat_template import chat_format
+    from utils.files import atomic_write_text
+    from utils.model.model_utils import load_hf_tokenizer
+
+    path = os.path.join(data["dir"], "ptx.jsonl")
+    if not os.path.exists(path):
+        texts = ptx_texts(read_jsonl(data["train"]), chat_format(load_hf_tokenizer(model, apply_chat_template=True)))
+        atomic_write_text(path, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    return path
 
 
 def rm_paths(work: str) -> dict:
@@ -528,7 +563,7 @@ def sampled_answers(paths: list, settings: dict, sample) -> list:
 
 
 def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, prompts: list, opts,
-                      keep: list = ()) -> tuple:
+                      keep: tuple | list = ()) -> tuple:
     """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
     scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
@@ -544,11 +579,12 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
 
-    done = [0]
+    done = 0
 
     def progress(batch: int) -> None:  # generate_answers reports each batch's prompts (tqdm's update)
-        done[0] += batch
-        print(f"    best of {n}: {done[0]}/{len(prompts)} prompts sampled", flush=True)
+        nonlocal done
+        done += batch
+        print(f"    best of {n}: {done}/{len(prompts)} prompts sampled", flush=True)
 
     def sample() -> list:
         sampler = copy.deepcopy(actor).to(torch.bfloat16) if opts.generation_dtype else actor  # as the collector's
@@ -1031,6 +1067,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "content, less to choose from)")
     g.add_argument("--critic_lr", type=float, default=5e-6, help="the PPO rows' critic learning rate "
                    "(DeepSpeed-Chat's 5e-6)")
+    g.add_argument("--ppo_ptx", type=float, default=0.0, metavar="C",
+                   help="both PPO rows mix step 3's LM loss (InstructGPT's PPO-ptx, DeepSpeed-Chat's unsupervised "
+                        "data), weighted C, on alpaca's answers to the training instructions, their constraints "
+                        "left out (WORK/ifeval*/ptx.jsonl; never a held-out instruction); 0: off")
     g.add_argument("--ppo_args", default="", metavar="FLAGS",
                    help="more step-3 flags for both PPO rows, last on the line (they override the bench's): e.g. "
                         "'--lam 0.9 --cliprange_value 0.5'")
@@ -1064,6 +1104,8 @@ def main(argv=None):
             or opts.rm_collect_batch < 1):
         raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2, --rm_eval_prompts ≥ 1, "
                              "--best_of_temperature > 0 and --rm_collect_batch ≥ 1")
+    if not (math.isfinite(opts.ppo_ptx) and opts.ppo_ptx >= 0):
+        raise UserInputError(f"--ppo_ptx {opts.ppo_ptx}: give a finite weight ≥ 0 (0: no LM loss)")
     if opts.rm_answers_from:
         kept = os.path.join(rm_paths(opts.rm_answers_from)["comparisons"], "answers.jsonl")
         if not os.path.isfile(kept):

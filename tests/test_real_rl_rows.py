@@ -243,6 +243,49 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
     assert (c.max_prompts, c.batch_size, default.eval_interval) == (200, 32, 22)
 
 
+def test_ppo_ptx_mixes_alpacas_answers_to_the_training_instructions_only(tmp_path, monkeypatch):
+    """``--ppo_ptx C``: both PPO rows get step 3's LM loss weighted C on ``ptx.jsonl`` beside the data: one chat
+    conversation a training row, its instruction without the constraints and alpaca's answer, as the template
+    writes them; no held-out instruction; step 3 packs it into LM blocks. Off (no flags) by default."""
+    from step3_rlhf_finetuning.main import parse_args as step3_args
+    from step3_rlhf_finetuning.main import validate_step3
+    from utils.data.chat_template import chat_format
+    from utils.data.unsupervised import get_unsupervised_data
+    from utils.model.model_utils import load_hf_tokenizer
+    from utils.model.tiny import resolve_model_path
+
+    monkeypatch.chdir(REPO)
+    bench = load_bench(monkeypatch)
+    data, model = tiny_ifeval(tmp_path), resolve_model_path("tiny-llama")
+    reward = str(tmp_path / "rm" / "reward")
+    off = step3_args(bench.ppo_command(model, data, str(tmp_path / "ppo"), reward, options(bench))[1:])
+    assert off.unsupervised_dataset_name is None and not (tmp_path / "ifeval" / "ptx.jsonl").exists()
+    for reward_fn in (None, bench.GUARDED):  # the ppo and ppo_fn rows alike
+        on = step3_args(bench.ppo_command(model, data, str(tmp_path / "ppo"), reward, options(bench, ppo_ptx=0.5),
+                                          reward_fn=reward_fn)[1:])
+        validate_step3(on)
+        assert (on.unsupervised_dataset_name, on.unsup_coef) == (str(tmp_path / "ifeval" / "ptx.jsonl"), 0.5)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "ifeval" / "ptx.jsonl").read_text().splitlines()]
+    tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
+    fmt = chat_format(tokenizer)
+    train = data["train.jsonl"]
+    assert len(texts) == len(train) > 0
+    for text, row in zip(texts, train):
+        turn = [{"role": "user", "content": row["instruction"]}]
+        assert text == fmt.prompt(turn) + fmt.answer(turn, row["reference_output"])
+        assert row["instruction"] != row["prompt"] and row["prompt"] not in text  # the constraints left out
+        assert text.endswith(row["reference_output"].strip() + fmt.eot)
+    heldout = {r["instruction"] for r in data["heldout.jsonl"]}
+    assert heldout and not any(h in text for h in heldout for text in texts)
+    blocks = get_unsupervised_data(str(tmp_path / "ifeval" / "ptx.jsonl"), None, tokenizer, 32, log=lambda _: None)
+    assert len(blocks) > 0 and blocks[0]["labels"].tolist() == blocks[0]["input_ids"].tolist()
+    from utils.errors import UserInputError
+
+    for bad in ("-0.5", "nan"):
+        with pytest.raises(UserInputError, match="--ppo_ptx"):
+            bench.main(["--rows", "ppo", "--ppo_ptx", bad])
+
+
 def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch, tmp_path):
     from utils.errors import UserInputError
 
