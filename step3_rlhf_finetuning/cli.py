@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder of .txt files, a .json/.jsonl/.parquet/.csv file, or a hub dataset name.")
     g.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
                    help="Configuration of a hub --unsupervised_dataset_name (e.g. wikitext-2-raw-v1).")
+    g.add_argument("--per_device_unsup_batch_size", type=int, default=None,
+                   help="Rows of --unsupervised_dataset_name text in the LM step paired with each RL micro-batch "
+                        "(default: --per_device_training_batch_size, one text row per answer, as DeepSpeed-Chat). "
+                        "Fewer rows make the LM step cheaper and lighter on memory; the LM loss is a mean over its "
+                        "tokens, so --unsup_coef keeps its meaning.")
     add_knobs(g, DATA)
 
     g = parser.add_argument_group("models")
@@ -234,7 +239,8 @@ DEPENDENT_FLAGS = (
     (("unpin_actor_parameters", "release_inference_cache", "tp_gather_partition_size"), "--enable_hybrid_engine",
      lambda args: args.enable_hybrid_engine),
     (("print_answers_interval",), "--print_answers", lambda args: args.print_answers),
-    (("unsup_coef",), "--unsupervised_dataset_name", lambda args: bool(args.unsupervised_dataset_name)),
+    (("unsup_coef", "per_device_unsup_batch_size"), "--unsupervised_dataset_name",
+     lambda args: bool(args.unsupervised_dataset_name)),
 )
 
 

@@ -82,6 +82,21 @@ def micro_batches_per_round(args) -> int:
     return math.ceil(answers / args.per_device_training_batch_size)
 
 
+def unsup_batch_size(args) -> int:
+    """Rows of unsupervised text in the LM step paired with each RL micro-batch (``--per_device_unsup_batch_size``;
+    default ``--per_device_training_batch_size``: one row per answer, as DeepSpeed-Chat)."""
+    return args.per_device_unsup_batch_size or args.per_device_training_batch_size
+
+
+def unsup_rows_per_batch(args) -> int:
+    """Rows of unsupervised text drawn with each generation batch: ``--per_device_unsup_batch_size`` per
+    ``--per_device_training_batch_size`` answers, rounded up, so that a round's text, cut into micro-batches of
+    :func:`unsup_batch_size` rows, gives every RL micro-batch its LM step (the last may be shorter, like the RL one).
+    """
+    answers = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    return math.ceil(answers * unsup_batch_size(args) / args.per_device_training_batch_size)
+
+
 def create_datasets(args, tokenizer, log):
     """(prompt dataset, prompt loader, unsupervised loader or None, RL steps, total optimizer steps per model)."""
     prompts, _ = create_prompt_dataset(args.local_rank, args.data_path, args.data_split, args.data_output_path, 3,
@@ -97,12 +112,13 @@ def create_datasets(args, tokenizer, log):
     if args.unsupervised_dataset_name:
         text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
                                      args.max_prompt_seq_len + args.max_answer_seq_len, log=log.info)
-        # one block of text per answer: the LM and the RL micro-batches pair up one to one
-        unsup_loader = resumable_loader(text, answers_per_batch, args.seed, drop_last=True)
+        # --per_device_unsup_batch_size blocks of text per RL micro-batch, which pair up one to one
+        text_per_batch = unsup_rows_per_batch(args)
+        unsup_loader = resumable_loader(text, text_per_batch, args.seed, drop_last=True)
         batches = min(batches, len(unsup_loader))
         if batches == 0:
             raise UserInputError(f"--unsupervised_dataset_name {args.unsupervised_dataset_name}: {len(text)} "
-                                 f"blocks, fewer than one batch of {answers_per_batch}")
+                                 f"blocks, fewer than one batch of {text_per_batch}")
     steps_per_epoch = batches // args.generation_batches
     if steps_per_epoch == 0:
         raise UserInputError(f"{len(prompts)} phase-3 prompts per rank give {batches} generation batches, fewer than "
@@ -196,7 +212,8 @@ def run(args, folder):
     # ---- train: experience -> collect a round -> advantages -> optimise -> report (and checkpoint)
     log.info(f"***** Running RL ({ppo.advantage_estimator}{', critic-free' if engine.critic is None else ''}, "
              f"{ppo.n_samples_per_prompt} answer(s) per prompt): {rl_steps} RL steps, {total_iters} optimizer steps "
-             f"per model, unsupervised mixing {'on' if config.unsupervised else 'off'} *****")
+             f"per model, unsupervised mixing "
+             f"{f'on ({unsup_batch_size(args)} text rows a micro-batch)' if config.unsupervised else 'off'} *****")
     log.info(algorithm_line(ppo))
     rounds = RoundCollector(ppo, args.per_device_generation_batch_size, log=log.warning)
     for epoch in epochs(progress, args):
@@ -212,7 +229,7 @@ def run(args, folder):
             trainer.compute_advantages(round_)  # on the whole round: every group (and REINFORCE++'s batch) intact
             progress.rl_step += 1
             train_start = time.time()
-            stats = trainer.optimise(round_, texts, steps, args.per_device_training_batch_size)
+            stats = trainer.optimise(round_, texts, steps, args.per_device_training_batch_size, unsup_batch_size(args))
             reporter.report(progress, round_, stats, time.time() - train_start)
             ckpt.step_done(progress.rl_step, engines,
                            lambda: dict(asdict(progress), waiting=gather_per_rank(steps.state())))

@@ -3,7 +3,7 @@
     rollout = trainer.experience(batch, step)        # generate + score one prompt batch (nothing kept: said, not scored)
     ready = rounds.collect(rollout, text)            # RoundCollector: --generation_batches batches (dynamic sampling)
     trainer.compute_advantages(round)                # --advantage_estimator on the whole round, groups intact
-    stats = trainer.optimise(round, texts, steps, micro_batch)  # --ppo_epochs passes, whole optimizer steps, PTX, EMA
+    stats = trainer.optimise(round, texts, steps, micro_batch, unsup_micro_batch)  # --ppo_epochs, PTX, EMA
     reporter.report(progress, round, stats, seconds)  # metrics: console, tensorboard, metrics.jsonl
 
 The record and its batching live in :mod:`step3_rlhf_finetuning.rollout` (imported here under their old names), the
@@ -454,16 +454,17 @@ class DeepSpeedPPOTrainer:
         return step_normalizers(counts, per_step, reduce, get_world_size() if reduce else 1)
 
     def optimise(self, rollout: Rollout, unsup_batches: Optional[list], steps: WholeSteps,
-                 micro_batch: int) -> TrainStats:
+                 micro_batch: int, unsup_micro_batch: Optional[int] = None) -> TrainStats:
         """The round's optimisation: ``--ppo_epochs`` passes over its micro-batches of ``micro_batch`` rows (actor,
-        critic for gae; + LM loss on the unsupervised text ``unsup_batches``, + EMA), reshuffled after each pass, as
-        DeepSpeed-Chat; trained in whole optimizer steps (``steps``, :class:`WholeSteps`: micro-batches that do not
-        fill one wait for the next round), each micro-batch's actor loss normalised over its optimizer step
-        (``--loss_agg``, :meth:`loss_normalizers`). Returns the mean of each loss over the micro-batches trained now
-        (none when all wait), the rows each model trained on (this rank) and the actor's ratio, clip and entropy
+        critic for gae; + LM loss on the unsupervised text ``unsup_batches``, cut into micro-batches of
+        ``unsup_micro_batch`` rows (default ``micro_batch``), one per RL micro-batch; + EMA), reshuffled after each
+        pass, as DeepSpeed-Chat; trained in whole optimizer steps (``steps``, :class:`WholeSteps`: micro-batches
+        that do not fill one wait for the next round), each micro-batch's actor loss normalised over its optimizer
+        step (``--loss_agg``, :meth:`loss_normalizers`). Returns the mean of each loss over the micro-batches trained
+        now (none when all wait), the rows each model trained on (this rank) and the actor's ratio, clip and entropy
         sums (:class:`~step3_rlhf_finetuning.metrics.TrainStats`)."""
         micro = rollout.micro_batches(micro_batch)
-        unsup = cut_batches(unsup_batches, micro_batch) if unsup_batches else [None] * len(micro)
+        unsup = cut_batches(unsup_batches, unsup_micro_batch or micro_batch) if unsup_batches else [None] * len(micro)
         schedule = []  # (micro-batch, text) in training order
         for _ in range(self.ppo.ppo_epochs):
             schedule += list(zip(micro, unsup))

@@ -236,6 +236,11 @@ def test_no_optimizer_step_is_refused_up_front_and_before_saving():
     (["--do_sample", "--top_p", "0.9", "--temperature", "0.7"], None),
     (["--critic_lora_learning_rate", "1e-3"], "--critic_lora_learning_rate would not be used: --critic_lora_dim is 0"),
     (["--critic_lora_dim", "4", "--critic_lora_learning_rate", "1e-3"], None),
+    (["--per_device_unsup_batch_size", "4"],
+     "--per_device_unsup_batch_size would not be used without --unsupervised_dataset_name"),
+    (["--unsupervised_dataset_name", "t.txt", "--per_device_unsup_batch_size", "0"],
+     "--per_device_unsup_batch_size must be ≥ 1, got 0"),
+    (["--unsupervised_dataset_name", "t.txt", "--per_device_unsup_batch_size", "4"], None),
 ])
 def test_step3_flags_that_cannot_apply_are_refused(flags, message):
     from step3_rlhf_finetuning.main import parse_args, validate_step3

@@ -18,8 +18,8 @@ from torch.testing import assert_close
 
 from step3_rlhf_finetuning.config import GenerationConfig, PPOConfig, RewardConfig
 from step3_rlhf_finetuning.main import parse_args, validate_step3
-from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, cut_batches,
-                                               end_of_answer_token_ids)
+from step3_rlhf_finetuning.ppo_trainer import (DeepSpeedPPOTrainer, Rollout, RoundCollector, WholeSteps,
+                                               cut_batches, end_of_answer_token_ids)
 from utils.data.unsupervised import get_unsupervised_data, pack_tokens
 from utils.errors import UserInputError
 from utils.rl_math import loss_count
@@ -600,6 +600,33 @@ def test_unsupervised_batches_are_cut_like_the_rollout():
     micro = cut_batches([first, {"a": torch.arange(2), "b": torch.arange(2)}], 3)
     assert [m["a"].tolist() for m in micro] == [[0, 1, 2], [3, 4, 0], [1]]  # one round, cut across batches
     assert micro[1]["b"].tolist() == [30, 40, 0]
+
+
+def test_unsupervised_rows_per_generation_batch_follow_the_lm_micro_batch():
+    from step3_rlhf_finetuning.main import unsup_batch_size, unsup_rows_per_batch
+
+    def args(gen, n, train, unsup=None):
+        return SimpleNamespace(per_device_generation_batch_size=gen, n_samples_per_prompt=n,
+                               per_device_training_batch_size=train, per_device_unsup_batch_size=unsup)
+
+    assert unsup_batch_size(args(4, 8, 16)) == 16 and unsup_rows_per_batch(args(4, 8, 16)) == 32  # one per answer
+    assert unsup_batch_size(args(4, 8, 16, 4)) == 4 and unsup_rows_per_batch(args(4, 8, 16, 4)) == 8  # 2 micro × 4
+    assert unsup_rows_per_batch(args(17, 1, 16, 4)) == 5  # micro-batches of 16 and 1 answer: texts of 4 and 1
+    assert unsup_rows_per_batch(args(3, 2, 4)) == 6  # the default: one row per answer even when 4 ∤ 6
+
+
+def test_each_rl_micro_batch_gets_one_lm_step_of_the_unsupervised_micro_batch():
+    answers = [[3, 4, EOS], [4, 3, EOS], [3, 3, EOS]]
+    trainer, _ = make_trainer(answers, scores=[1.0, -1.0, 0.5], lr=0.1, unsup_coef=1.0)
+    seen = []
+    trainer.train_unsupervised = lambda text: seen.append(text["input_ids"][:, 0].tolist()) or torch.tensor(2.0)
+    text = {"input_ids": torch.arange(10).view(5, 2), "attention_mask": torch.ones(5, 2, dtype=torch.long)}
+    text["labels"] = text["input_ids"]
+    stats = trainer.optimise(make_rollout(trainer), [text], WholeSteps(1), 2, 1)  # RL micro-batches of 2 and 1
+    assert seen == [[0], [2]] and stats.actor_rows == 3 + 2 and stats.losses["unsup_loss"] == 2.0
+    seen.clear()
+    stats = trainer.optimise(make_rollout(trainer), [text], WholeSteps(1), 2)  # default: as many rows as the RL's
+    assert seen == [[0, 2], [4, 6]] and stats.actor_rows == 3 + 4
 
 
 def test_rollout_cat_slices_and_checkpoint_state():

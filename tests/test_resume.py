@@ -40,14 +40,16 @@ GRPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo
         "1e-3", "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
 # DAPO (issue 32): GRPO with clip-higher, token mean, truncated answers masked, the overlong penalty and dynamic
 # sampling (a parity reward, so about half the groups score the same: rounds refill, and with a limit of 2 batches some
-# are filled), a short last micro-batch, unsupervised text, EMA and dropout: the prompts each round drew must resume
+# are filled), a short last micro-batch, unsupervised text in LM micro-batches of 2 rows (RL ones of 3), EMA and
+# dropout: the prompts each round drew must resume
 DAPO = ["--actor_model_name_or_path", "tiny-opt", "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
         "--reward_fn", "{fn}", "--cliprange_high", "0.28", "--loss_agg", "token_mean", "--mask_truncated_answers",
         "--overlong_penalty", "4", "--dynamic_sampling", "--dynamic_sampling_max_batches", "2", "--data_path",
         "builtin/preference-small", "--max_prompt_seq_len", "16", "--max_answer_seq_len", "8",
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "3", "--do_sample",
         "--enable_ema", "--actor_dropout", "0.1", "--num_warmup_steps", "0", "--actor_learning_rate", "1e-3",
-        "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0", *CHECKPOINTING]
+        "--unsupervised_dataset_name", "{text}", "--unsup_coef", "1.0",
+        "--per_device_unsup_batch_size", "2", *CHECKPOINTING]
 # GRPO whose optimizer steps span rounds (issue 57): 8 answers a round in micro-batches of 3, 2 a step, so the
 # checkpoint after round 3 holds a micro-batch (and its text) waiting for round 4's (WholeSteps): it must resume
 SPANNING = GRPO[:GRPO.index("--per_device_training_batch_size")] + [

@@ -62,6 +62,7 @@ def test_ppo_with_ema_and_unsupervised_mixing(step12, tmp_path):
     assert "--enable_hybrid_engine: DeepSpeed" in log and "legacy tuple KV cache" in log
     assert "generating with the project's own path" in log and "generation: hf backend" in log
     assert "unsupervised data:" in log and "--- ans    --> step=1" in log
+    assert "unsupervised mixing on (2 text rows a micro-batch)" in log  # --per_device_training_batch_size
     assert "average reward: mean of the first 1 steps" in log
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

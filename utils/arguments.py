@@ -378,6 +378,7 @@ NUMBER_RANGES = (
     ("preprocessing_num_workers", lambda v: v >= 1, "≥ 1"),
     ("per_device_generation_batch_size", lambda v: v >= 1, "≥ 1"),
     ("per_device_training_batch_size", lambda v: v >= 1, "≥ 1"),
+    ("per_device_unsup_batch_size", lambda v: v >= 1, "≥ 1"),
 )
 
 
