@@ -269,6 +269,13 @@ def read_jsonl(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_jsonl(path: str, rows) -> None:
+    """``rows`` (JSON objects) one a line, written whole or not at all."""
+    from utils.files import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
 def data_folder(work: str, train_weights: str | None = None) -> str:
     """Where the data go: ``WORK/ifeval``, or with ``--train_weights`` a folder named by their hash (the held-out
     files are the same in both; the training file differs)."""
@@ -397,13 +404,12 @@ def write_ptx(data: dict, model: str) -> str:
     """``ptx.jsonl`` (column ``text``: :func:`ptx_texts`) beside the data, written once; its path (step 3's
     ``--unsupervised_dataset_name``)."""
     from utils.data.chat_template import chat_format
-    from utils.files import atomic_write_text
     from utils.model.model_utils import load_hf_tokenizer
 
     path = os.path.join(data["dir"], "ptx.jsonl")
     if not os.path.exists(path):
         texts = ptx_texts(read_jsonl(data["train"]), chat_format(load_hf_tokenizer(model, apply_chat_template=True)))
-        atomic_write_text(path, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+        write_jsonl(path, ({"text": t} for t in texts))
     return path
 
 
@@ -428,12 +434,10 @@ def rm_prompt_rows(train_rows: list, eval_prompts: int, seed: int) -> tuple:
 
 def write_rm_prompts(data: dict, folder: str, opts) -> None:
     """``folder/train.jsonl`` and ``folder/eval.jsonl`` (:func:`rm_prompt_rows`), the collector's ``--data_path``."""
-    from utils.files import atomic_write_text
-
     os.makedirs(folder, exist_ok=True)
     for name, rows in zip(("train.jsonl", "eval.jsonl"),
                           rm_prompt_rows(read_jsonl(data["train"]), opts.rm_eval_prompts, opts.seed)):
-        atomic_write_text(os.path.join(folder, name), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        write_jsonl(os.path.join(folder, name), rows)
 
 
 def rm_commands(model: str, paths: dict, opts) -> list:
