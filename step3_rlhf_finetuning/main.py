@@ -107,7 +107,6 @@ def create_datasets(args, tokenizer, log):
     prompt_loader = resumable_loader(prompts, args.per_device_generation_batch_size, args.seed,
                                      collate_fn=DataCollatorRLHF(args.max_prompt_seq_len, tokenizer.pad_token_id))
     batches = len(prompt_loader)
-    answers_per_batch = args.per_device_generation_batch_size * args.n_samples_per_prompt
     unsup_loader = None
     if args.unsupervised_dataset_name:
         text = get_unsupervised_data(args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, tokenizer,
