@@ -8,7 +8,8 @@ parse → distributed/DeepSpeed config → tokenizer / reward model (backbone + 
 +LoRA) → phase-2 pairs → optimizer/scheduler → ``deepspeed.initialize`` → evaluate
 (chosen score, rejected score, accuracy) → train, evaluating every ``--eval_interval``
 steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`). With ``--kwise`` a training batch
-holds whole prompts' pairs, each distinct answer forwarded once (:func:`kwise_loader`). With
+holds whole prompts' pairs, each distinct answer forwarded once (:func:`kwise_loader`), and so does an eval batch
+(:func:`kwise_eval_loader`). With
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
@@ -35,8 +36,8 @@ from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, load_tokenizer,
-                            make_loaders, make_step_engine, report_optimizer_step, start_step)
+from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, eval_loader,
+                            load_tokenizer, make_loaders, make_step_engine, report_optimizer_step, start_step)
 
 
 def parse_args(argv=None):
@@ -51,8 +52,9 @@ def parse_args(argv=None):
     g.add_argument("--kwise", action="store_true",
                    help="InstructGPT's K-wise batching: a prompt's pairs (collect_comparisons.py's every pair of its "
                         "K answers) train in one batch, each distinct answer forwarded once, the loss averaged per "
-                        "prompt then over prompts; --per_device_train_batch_size then counts prompts. The eval is "
-                        "unchanged (pairs).")
+                        "prompt then over prompts; --per_device_train_batch_size then counts prompts. The eval too "
+                        "scores each distinct answer once (the same pairs and accuracy; its loss is the K-wise one; "
+                        "--per_device_eval_batch_size counts prompts).")
     add_eval_args(g)
     parser.set_defaults(learning_rate=5e-5)
     return parser.parse_args(argv)
@@ -108,6 +110,16 @@ def kwise_loader(train_dataset, collate: DataCollatorReward, args, log):
                             collate_fn=DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple))
 
 
+def kwise_eval_loader(eval_dataset, collate: DataCollatorReward, args):
+    """``--kwise``'s eval loader: the eval pairs grouped by prompt, ``--per_device_eval_batch_size`` prompts a batch,
+    in order and sharded like the pairwise one. Each distinct answer is scored once: the same pairs, scores and
+    accuracy as the pairwise loader, with a prompt's K answers forwarded K times instead of twice per pair
+    (collect_comparisons.py's 8 answers a prompt: ~3× fewer rows)."""
+    return eval_loader(group_by_prompt(eval_dataset), DataCollatorKwise(collate.pad_token_id, collate.max_seq_len,
+                                                                        collate.multiple),
+                       args.per_device_eval_batch_size)
+
+
 def format_eval(metrics: dict) -> str:
     return (f"chosen_last_scores (higher is better): {metrics['chosen']:.4f}, "
             f"rejected_last_scores (lower is better): {metrics['rejected']:.4f}, acc: {metrics['acc']:.4f}, "
@@ -139,8 +151,9 @@ def run(args, folder):
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning)
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
     train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
-    if args.kwise:  # batches of whole prompts (each distinct answer once); the eval stays pairwise
+    if args.kwise:  # batches of whole prompts, each distinct answer forwarded once, in training and in the eval
         train_loader = kwise_loader(train_dataset, collate, args, log)
+        eval_loader = kwise_eval_loader(eval_dataset, collate, args)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
     model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)

@@ -182,6 +182,37 @@ def test_kwise_pass_is_the_pairs_losses_averaged_per_prompt(opt, loss):
     model.loss = "span"
 
 
+def test_kwise_eval_scores_each_answer_once_with_the_pairwise_numbers(opt):
+    """Step 2's --kwise eval (kwise_eval_loader): the pairwise eval's pairs, scores and accuracy, each distinct answer
+    forwarded once (7 rows, not 2 × 6 pairs)."""
+    from argparse import Namespace
+
+    from step2_reward_model_finetuning.main import evaluate_reward, kwise_eval_loader
+    from utils.training import eval_loader
+
+    model, tok = opt
+    model.loss = "end"
+    lamp = _texts(tok, LAMP, [" The lamp is bright and kind and calm.", " The lamp is dull.", " A lamp.",
+                              " The lamp is warm."])
+    door = _texts(tok, DOOR, [" The door is open.", " The door is closed and rude and cold.", " A door."])
+    pairs = [(lamp[0], lamp[1]), (door[0], door[1]), (lamp[0], lamp[2]), (lamp[3], lamp[1]), (door[2], door[1]),
+             (lamp[2], lamp[1])]
+    dataset = PromptDataset(pairs, 2, {"kept": len(pairs)})
+    collate = DataCollatorReward(tok.pad_token_id, 128)
+    pairwise, kwise = eval_loader(dataset, collate, 4), kwise_eval_loader(dataset, collate, Namespace(
+        per_device_eval_batch_size=1))
+    assert sum(len(b["input_ids"]) for b in pairwise) == 12 and len(pairwise) == 2
+    assert sum(len(b["input_ids"]) for b in kwise) == 7 and len(kwise) == 2  # a prompt a batch: 4 + 3 answers
+    try:
+        a = evaluate_reward(model, pairwise, torch.device("cpu"), eval_iters=0)
+        b = evaluate_reward(model, kwise, torch.device("cpu"), eval_iters=0)
+    finally:
+        model.eval()
+        model.loss = "span"
+    assert 0 < a["acc"] < 1 and b["acc"] == a["acc"]  # the same pairs, compared alike
+    assert (b["chosen"], b["rejected"]) == (pytest.approx(a["chosen"], abs=1e-5), pytest.approx(a["rejected"], abs=1e-5))
+
+
 # --------------------------------------------------------------------------- a tiny step-2 run
 
 def _comparisons(path, prompts: range, seed: int):
