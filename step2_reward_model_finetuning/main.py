@@ -8,8 +8,8 @@ parse → distributed/DeepSpeed config → tokenizer / reward model (backbone + 
 +LoRA) → phase-2 pairs → optimizer/scheduler → ``deepspeed.initialize`` → evaluate
 (chosen score, rejected score, accuracy) → train, evaluating every ``--eval_interval``
 steps and after every epoch → save a step-2 folder (:mod:`utils.model.critic`). With ``--kwise`` a training batch
-holds whole prompts' pairs, each distinct answer forwarded once (:func:`kwise_loader`), and so does an eval batch
-(:func:`kwise_eval_loader`). With
+holds whole prompts' pairs, each distinct answer forwarded once, and so does an eval batch (:func:`kwise_loaders`).
+With
 ``--save_interval`` a resumable checkpoint is written every N optimizer steps; rerunning
 the command resumes from it (:mod:`utils.checkpoint`).
 """
@@ -36,8 +36,8 @@ from utils.model.critic import create_critic_model, save_reward_model
 from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.preflight import run_step
 from utils.runtime import to_device
-from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, eval_loader,
-                            load_tokenizer, make_loaders, make_step_engine, report_optimizer_step, start_step)
+from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, load_tokenizer,
+                            make_eval_loader, make_loaders, make_step_engine, report_optimizer_step, start_step)
 
 
 def parse_args(argv=None):
@@ -95,9 +95,13 @@ def check_padding_at_beginning(dataset, pad_token_id: int, npab: int) -> None:
                              "BOS is the pad token, need 1; most others 0)")
 
 
-def kwise_loader(train_dataset, collate: DataCollatorReward, args, log):
-    """``--kwise``'s training loader: the pairs grouped by prompt (:func:`~utils.data.data_utils.group_by_prompt`),
-    ``--per_device_train_batch_size`` prompts a batch, shuffled and resumable like the pairwise loader."""
+def kwise_loaders(train_dataset, eval_dataset, collate: DataCollatorReward, args, log):
+    """``--kwise``'s ``(train, eval)`` loaders, in place of :func:`~utils.training.make_loaders`': the pairs grouped by
+    prompt (:func:`~utils.data.data_utils.group_by_prompt`), each distinct answer of a batch forwarded once. Train:
+    ``--per_device_train_batch_size`` prompts a batch, shuffled and resumable like the pairwise loader. Eval:
+    ``--per_device_eval_batch_size`` prompts a batch, in order and sharded like the pairwise one, with the same
+    pairs, scores and accuracy, a prompt's K answers forwarded K times instead of twice per pair
+    (collect_comparisons.py's 8 answers a prompt: ~3× fewer rows)."""
     prompts = group_by_prompt(train_dataset)
     sizes = sorted(len(group) for group in prompts.samples)
     log.info(f"K-wise batches: {len(train_dataset)} pairs of {len(prompts)} prompts (pairs per prompt: "
@@ -106,18 +110,9 @@ def kwise_loader(train_dataset, collate: DataCollatorReward, args, log):
     if sizes[-1] == 1:
         log.warning("--kwise: no two pairs share a prompt's answer, so every prompt has one pair and the loss is "
                     "the ordinary one")
-    return resumable_loader(prompts, args.per_device_train_batch_size, args.seed,
-                            collate_fn=DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple))
-
-
-def kwise_eval_loader(eval_dataset, collate: DataCollatorReward, args):
-    """``--kwise``'s eval loader: the eval pairs grouped by prompt, ``--per_device_eval_batch_size`` prompts a batch,
-    in order and sharded like the pairwise one. Each distinct answer is scored once: the same pairs, scores and
-    accuracy as the pairwise loader, with a prompt's K answers forwarded K times instead of twice per pair
-    (collect_comparisons.py's 8 answers a prompt: ~3× fewer rows)."""
-    return eval_loader(group_by_prompt(eval_dataset), DataCollatorKwise(collate.pad_token_id, collate.max_seq_len,
-                                                                        collate.multiple),
-                       args.per_device_eval_batch_size)
+    kwise_collate = DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple)
+    return (resumable_loader(prompts, args.per_device_train_batch_size, args.seed, collate_fn=kwise_collate),
+            make_eval_loader(group_by_prompt(eval_dataset), kwise_collate, args.per_device_eval_batch_size))
 
 
 def format_eval(metrics: dict) -> str:
@@ -150,10 +145,10 @@ def run(args, folder):
         log=log.info, apply_chat_template=args.apply_chat_template)
     check_padding_at_beginning(train_dataset, tokenizer.pad_token_id, args.num_padding_at_beginning)
     collate = DataCollatorReward(tokenizer.pad_token_id, args.max_seq_len, pad_multiple(device))
-    train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
     if args.kwise:  # batches of whole prompts, each distinct answer forwarded once, in training and in the eval
-        train_loader = kwise_loader(train_dataset, collate, args, log)
-        eval_loader = kwise_eval_loader(eval_dataset, collate, args)
+        train_loader, eval_loader = kwise_loaders(train_dataset, eval_dataset, collate, args, log)
+    else:
+        train_loader, eval_loader = make_loaders(train_dataset, eval_dataset, collate, args)
 
     # ---- engine: optimizer, schedule, deepspeed.initialize
     model, total_steps = make_step_engine(model, ds_config, train_loader, args, log)

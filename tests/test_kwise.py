@@ -183,12 +183,13 @@ def test_kwise_pass_is_the_pairs_losses_averaged_per_prompt(opt, loss):
 
 
 def test_kwise_eval_scores_each_answer_once_with_the_pairwise_numbers(opt):
-    """Step 2's --kwise eval (kwise_eval_loader): the pairwise eval's pairs, scores and accuracy, each distinct answer
+    """Step 2's --kwise eval (kwise_loaders): the pairwise eval's pairs, scores and accuracy, each distinct answer
     forwarded once (7 rows, not 2 × 6 pairs)."""
+    import logging
     from argparse import Namespace
 
-    from step2_reward_model_finetuning.main import evaluate_reward, kwise_eval_loader
-    from utils.training import eval_loader
+    from step2_reward_model_finetuning.main import evaluate_reward, kwise_loaders
+    from utils.training import make_eval_loader
 
     model, tok = opt
     model.loss = "end"
@@ -199,8 +200,9 @@ def test_kwise_eval_scores_each_answer_once_with_the_pairwise_numbers(opt):
              (lamp[2], lamp[1])]
     dataset = PromptDataset(pairs, 2, {"kept": len(pairs)})
     collate = DataCollatorReward(tok.pad_token_id, 128)
-    pairwise, kwise = eval_loader(dataset, collate, 4), kwise_eval_loader(dataset, collate, Namespace(
-        per_device_eval_batch_size=1))
+    pairwise = make_eval_loader(dataset, collate, 4)
+    _, kwise = kwise_loaders(dataset, dataset, collate, Namespace(
+        per_device_train_batch_size=1, per_device_eval_batch_size=1, seed=0), logging.getLogger("test_kwise"))
     assert sum(len(b["input_ids"]) for b in pairwise) == 12 and len(pairwise) == 2
     assert sum(len(b["input_ids"]) for b in kwise) == 7 and len(kwise) == 2  # a prompt a batch: 4 + 3 answers
     try:
@@ -210,7 +212,8 @@ def test_kwise_eval_scores_each_answer_once_with_the_pairwise_numbers(opt):
         model.eval()
         model.loss = "span"
     assert 0 < a["acc"] < 1 and b["acc"] == a["acc"]  # the same pairs, compared alike
-    assert (b["chosen"], b["rejected"]) == (pytest.approx(a["chosen"], abs=1e-5), pytest.approx(a["rejected"], abs=1e-5))
+    assert (b["chosen"], b["rejected"]) == (pytest.approx(a["chosen"], abs=1e-5),
+                                            pytest.approx(a["rejected"], abs=1e-5))
 
 
 # --------------------------------------------------------------------------- a tiny step-2 run

@@ -5,7 +5,7 @@ Steps 1, 2 and DPO and step 3's engines are built from these pieces:
 - :func:`start_run`: process group, precision, seed and the run's logger; :func:`load_tokenizer`;
 - :func:`train_ds_config` / :func:`frozen_ds_config`: DeepSpeed configs with the batch sizes set,
   and :func:`frozen_stage`, the one rule for a frozen copy's ZeRO stage;
-- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader (:func:`eval_loader`);
+- :func:`make_loaders`: the resumable, shuffled train loader and the sharded eval loader (:func:`make_eval_loader`);
 - the one loop of every step (1, 2, DPO and 3): :func:`epochs` and :func:`epoch_batches` walk a run from a
   :class:`Position` (fresh, or a checkpoint's) to its end, ``--max_steps`` included;
 - :func:`count_optimizer_steps`: the length of the learning-rate schedule, and the shared checks that a run makes
@@ -121,10 +121,10 @@ def make_loaders(train_dataset, eval_dataset, collate, args):
     """``(train, eval)`` loaders: train shuffled per (seed, epoch) and resumable mid-epoch
     (:func:`utils.checkpoint.resumable_loader`), eval in order and sharded across ranks."""
     train = resumable_loader(train_dataset, args.per_device_train_batch_size, args.seed, collate_fn=collate)
-    return train, eval_loader(eval_dataset, collate, args.per_device_eval_batch_size)
+    return train, make_eval_loader(eval_dataset, collate, args.per_device_eval_batch_size)
 
 
-def eval_loader(dataset, collate, batch_size: int):
+def make_eval_loader(dataset, collate, batch_size: int):
     """The eval loader: ``dataset`` in order, ``batch_size`` samples a batch, sharded across ranks."""
     sampler = DistributedSampler(dataset, shuffle=False) if get_world_size() > 1 else SequentialSampler(dataset)
     return DataLoader(dataset, collate_fn=collate, batch_size=batch_size, sampler=sampler)
