@@ -401,14 +401,16 @@ def ptx_texts(train_rows: list, fmt) -> list:
 
 
 def write_ptx(data: dict, model: str) -> str:
-    """``ptx.jsonl`` (column ``text``: :func:`ptx_texts`) beside the data, written once; its path (step 3's
+    """``ptx-<hash>.jsonl`` (column ``text``: :func:`ptx_texts`) beside the data, named by its content (the texts
+    as ``model``'s chat template writes them: another template, another file) and written once; its path (step 3's
     ``--unsupervised_dataset_name``)."""
     from utils.data.chat_template import chat_format
+    from utils.files import content_hash
     from utils.model.model_utils import load_hf_tokenizer
 
-    path = os.path.join(data["dir"], "ptx.jsonl")
+    texts = ptx_texts(read_jsonl(data["train"]), chat_format(load_hf_tokenizer(model, apply_chat_template=True)))
+    path = os.path.join(data["dir"], f"ptx-{content_hash(json.dumps(texts).encode(), digits=8)}.jsonl")
     if not os.path.exists(path):
-        texts = ptx_texts(read_jsonl(data["train"]), chat_format(load_hf_tokenizer(model, apply_chat_template=True)))
         write_jsonl(path, ({"text": t} for t in texts))
     return path
 
@@ -1074,7 +1076,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ppo_ptx", type=float, default=0.0, metavar="C",
                    help="both PPO rows mix step 3's LM loss (InstructGPT's PPO-ptx, DeepSpeed-Chat's unsupervised "
                         "data), weighted C, on alpaca's answers to the training instructions, their constraints "
-                        "left out (WORK/ifeval*/ptx.jsonl; never a held-out instruction); 0: off")
+                        "left out (WORK/ifeval*/ptx-<hash>.jsonl; never a held-out instruction); 0: off")
     g.add_argument("--ppo_args", default="", metavar="FLAGS",
                    help="more step-3 flags for both PPO rows, last on the line (they override the bench's): e.g. "
                         "'--lam 0.9 --cliprange_value 0.5'")

@@ -244,9 +244,10 @@ def test_each_rows_command_lines_carry_the_right_flags(tmp_path, monkeypatch):
 
 
 def test_ppo_ptx_mixes_alpacas_answers_to_the_training_instructions_only(tmp_path, monkeypatch):
-    """``--ppo_ptx C``: both PPO rows get step 3's LM loss weighted C on ``ptx.jsonl`` beside the data: one chat
-    conversation a training row, its instruction without the constraints and alpaca's answer, as the template
-    writes them; no held-out instruction; step 3 packs it into LM blocks. Off (no flags) by default."""
+    """``--ppo_ptx C``: both PPO rows get step 3's LM loss weighted C on ``ptx-<hash>.jsonl`` beside the data: one
+    chat conversation a training row, its instruction without the constraints and alpaca's answer, as the template
+    writes them; no held-out instruction; step 3 packs it into LM blocks; another model's template, another file
+    (not the first model's text). Off (no flags) by default."""
     from step3_rlhf_finetuning.main import parse_args as step3_args
     from step3_rlhf_finetuning.main import validate_step3
     from utils.data.chat_template import chat_format
@@ -259,13 +260,18 @@ def test_ppo_ptx_mixes_alpacas_answers_to_the_training_instructions_only(tmp_pat
     data, model = tiny_ifeval(tmp_path), resolve_model_path("tiny-llama")
     reward = str(tmp_path / "rm" / "reward")
     off = step3_args(bench.ppo_command(model, data, str(tmp_path / "ppo"), reward, options(bench))[1:])
-    assert off.unsupervised_dataset_name is None and not (tmp_path / "ifeval" / "ptx.jsonl").exists()
+    assert off.unsupervised_dataset_name is None and not list((tmp_path / "ifeval").glob("ptx*"))
+    paths = set()
     for reward_fn in (None, bench.GUARDED):  # the ppo and ppo_fn rows alike
         on = step3_args(bench.ppo_command(model, data, str(tmp_path / "ppo"), reward, options(bench, ppo_ptx=0.5),
                                           reward_fn=reward_fn)[1:])
         validate_step3(on)
-        assert (on.unsupervised_dataset_name, on.unsup_coef) == (str(tmp_path / "ifeval" / "ptx.jsonl"), 0.5)
-    texts = [json.loads(line)["text"] for line in (tmp_path / "ifeval" / "ptx.jsonl").read_text().splitlines()]
+        assert on.unsup_coef == 0.5
+        paths.add(on.unsupervised_dataset_name)
+    (ptx,) = paths
+    assert os.path.dirname(ptx) == str(tmp_path / "ifeval") and re.fullmatch(r"ptx-[0-9a-f]{8}\.jsonl",
+                                                                               os.path.basename(ptx))
+    texts = [json.loads(line)["text"] for line in open(ptx).read().splitlines()]
     tokenizer = load_hf_tokenizer(model, apply_chat_template=True)
     fmt = chat_format(tokenizer)
     train = data["train.jsonl"]
@@ -277,8 +283,15 @@ def test_ppo_ptx_mixes_alpacas_answers_to_the_training_instructions_only(tmp_pat
         assert text.endswith(row["reference_output"].strip() + fmt.eot)
     heldout = {r["instruction"] for r in data["heldout.jsonl"]}
     assert heldout and not any(h in text for h in heldout for text in texts)
-    blocks = get_unsupervised_data(str(tmp_path / "ifeval" / "ptx.jsonl"), None, tokenizer, 32, log=lambda _: None)
+    blocks = get_unsupervised_data(ptx, None, tokenizer, 32, log=lambda _: None)
     assert len(blocks) > 0 and blocks[0]["labels"].tolist() == blocks[0]["input_ids"].tolist()
+    as_written = bench.ptx_texts  # another model's template writes other text: another file, the first one kept
+    monkeypatch.setattr(bench, "ptx_texts", lambda rows, fmt: [t.replace(fmt.eot, "</s>") for t in as_written(rows,
+                                                                                                              fmt)])
+    other = bench.write_ptx(data, model)
+    assert other != ptx and json.loads(open(other).readline())["text"] == texts[0].replace(fmt.eot, "</s>")
+    monkeypatch.setattr(bench, "ptx_texts", as_written)
+    assert bench.write_ptx(data, model) == ptx and [json.loads(line)["text"] for line in open(ptx)] == texts
     from utils.errors import UserInputError
 
     for bad in ("-0.5", "nan"):
