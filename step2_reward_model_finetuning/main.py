@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 
 from utils.arguments import add_eval_args, add_num_padding_arg, single_model_parser
-from utils.checkpoint import CheckpointManager, resumable_loader, run_inputs
+from utils.checkpoint import CheckpointManager, run_inputs
 from utils.data.data_utils import (DataCollatorKwise, DataCollatorReward, create_prompt_dataset, group_by_prompt,
                                    pad_multiple)
 from utils.distributed import get_all_reduce_mean
@@ -37,7 +37,7 @@ from utils.model.reward_model import REWARD_LOSSES, count_leading_pads
 from utils.preflight import run_step
 from utils.runtime import to_device
 from utils.training import (Position, check_steps_ran, epoch_batches, epochs, eval_batches, load_tokenizer,
-                            make_eval_loader, make_loaders, make_step_engine, report_optimizer_step, start_step)
+                            make_loaders, make_step_engine, report_optimizer_step, start_step)
 
 
 def parse_args(argv=None):
@@ -96,7 +96,7 @@ def check_padding_at_beginning(dataset, pad_token_id: int, npab: int) -> None:
 
 
 def kwise_loaders(train_dataset, eval_dataset, collate: DataCollatorReward, args, log):
-    """``--kwise``'s ``(train, eval)`` loaders, in place of :func:`~utils.training.make_loaders`': the pairs grouped by
+    """``--kwise``'s ``(train, eval)`` loaders: :func:`~utils.training.make_loaders` over the pairs grouped by
     prompt (:func:`~utils.data.data_utils.group_by_prompt`), each distinct answer of a batch forwarded once. Train:
     ``--per_device_train_batch_size`` prompts a batch, shuffled and resumable like the pairwise loader. Eval:
     ``--per_device_eval_batch_size`` prompts a batch, in order and sharded like the pairwise one, with the same
@@ -110,9 +110,8 @@ def kwise_loaders(train_dataset, eval_dataset, collate: DataCollatorReward, args
     if sizes[-1] == 1:
         log.warning("--kwise: no two pairs share a prompt's answer, so every prompt has one pair and the loss is "
                     "the ordinary one")
-    kwise_collate = DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple)
-    return (resumable_loader(prompts, args.per_device_train_batch_size, args.seed, collate_fn=kwise_collate),
-            make_eval_loader(group_by_prompt(eval_dataset), kwise_collate, args.per_device_eval_batch_size))
+    return make_loaders(prompts, group_by_prompt(eval_dataset),
+                        DataCollatorKwise(collate.pad_token_id, collate.max_seq_len, collate.multiple), args)
 
 
 def format_eval(metrics: dict) -> str:
