@@ -851,6 +851,10 @@ def table(results: dict) -> str:
         path = f" + rm {rm / 60:.0f}" if wall and rm and name in ("ppo_fn", "ppo") else ""  # the reward model's too
         spent = f"{wall / 60:.0f}{path} min" if wall else "—"
         lines.append(f"| {row_label(name, r)} | {metric_cells(r)} | {spent} |")
+    hosts = results.get("host", {})  # the machine each row's wall time was measured on
+    if hosts:
+        lines += [""] + [f"wall time of {', '.join(row for row in hosts if hosts[row] == host)}: {host}"
+                         for host in sorted(set(hosts.values()))]
     types = sorted(results["base"]["per_type"])
     lines += ["", "| type (held-out count): template / reworded | "
               + " | ".join(ROW_NAMES[n].split(" (")[0] for n in rows) + " |", "|---|" + "---|" * len(rows)]
@@ -1152,7 +1156,7 @@ def main(argv=None):
         return 0
     import torch
 
-    from utils.runtime import cpu_capability, cpu_flags, slow_bf16_warning
+    from utils.runtime import cpu_capability, cpu_flags, slow_bf16_warning, this_host
 
     slow = None if torch.cuda.is_available() else slow_bf16_warning(
         opts.dtype, opts.autocast, opts.generation_dtype, cpu_capability(), cpu_flags())
@@ -1180,6 +1184,7 @@ def main(argv=None):
         """A row just trained: its wall times kept, an earlier evaluation of that folder (stale) dropped."""
         results.setdefault("wall", {})[row] = sum(walls.values())
         results.setdefault("wall_parts", {})[row] = walls
+        results.setdefault("host", {})[row] = this_host()
         results.pop(row, None)
         results.get("curve", {}).pop(row, None)
         save()

@@ -410,6 +410,12 @@ def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypat
     assert "| `no_comma` (4) | 0.50 / 0.25 | 0.50 / 0.25 | 0.50 / 0.25 |" in text
     assert "reward model: pair accuracy 0.800 on 500 eval pairs" in text and "no_comma 0.80 (500)" in text
     assert "ppo: best held-out point step 20 (strict 0.520): w/ppo/checkpoints/step-20" in text
+    assert "wall time of" not in text  # a run from before the host was kept: nothing made up
+    results["host"] = {"rm": "AMD EPYC, 2 cores, bf16 instructions: avx512_bf16",
+                       "ppo": "AMD EPYC, 2 cores, bf16 instructions: avx512_bf16", "grpo": "NVIDIA H200"}
+    hosts = bench.table(results)
+    assert "\nwall time of rm, ppo: AMD EPYC, 2 cores, bf16 instructions: avx512_bf16\n" in hosts
+    assert "\nwall time of grpo: NVIDIA H200\n" in hosts
     results["ppo"]["best"]["guards"] = False
     assert "step 20 (strict 0.520; no point held the guards): w/ppo" in bench.table(results)
     # sampled at another temperature: the row says so, and has no KL bound to the base (evaluate_rm leaves it out)

@@ -376,6 +376,32 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     assert cpu_flags(str(tmp_path / "absent")) is None
 
 
+def test_cpu_model_reads_the_model_name_line(tmp_path):
+    from utils.runtime import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9554 64-Core Processor\nflags\t\t: fpu\n")
+    assert cpu_model(str(info)) == "AMD EPYC 9554 64-Core Processor"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # aarch64: no model name line
+    assert cpu_model(str(info)) is None and cpu_model(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("flags, capability, gpu, line", [
+    (AVX2_EPYC, "AVX2", None, "AMD EPYC, 2 cores, no bf16 instructions"),
+    (AVX2_EPYC | {"avx512f", "avx512_bf16"}, "AVX512", None, "AMD EPYC, 2 cores, bf16 instructions: avx512_bf16"),
+    (frozenset({"avx512_bf16", "amx_bf16"}), "AMX", None, "AMD EPYC, 2 cores, bf16 instructions: avx512_bf16, amx_bf16"),
+    (None, "AVX2", None, "AMD EPYC, 2 cores, no bf16 instructions"),  # no cpuinfo: torch's capability tells
+    (None, None, None, "AMD EPYC, 2 cores, bf16 instructions unknown"),
+    (AVX2_EPYC, "AVX2", "NVIDIA H200", "NVIDIA H200"),  # the GPU did the work: the CPU's bf16 does not matter
+])
+def test_host_line_names_the_cpu_and_its_bf16_instructions(flags, capability, gpu, line):
+    """A wall time's machine (bench_real_rl's table): the issue asks for the CPU named, with or without bf16."""
+    from utils.runtime import host_line
+
+    assert host_line("AMD EPYC", 2, flags, capability, gpu) == line
+    assert host_line(None, 16, None, None) == "unknown CPU, 16 cores, bf16 instructions unknown"
+
+
 def test_start_run_warns_once_for_bf16_on_a_cpu_without_it(monkeypatch, capsys):
     """The common start-up (steps 1, 2, DPO and 3): one warning line; fp32 or a GPU: none."""
     import torch

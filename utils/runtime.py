@@ -1,6 +1,7 @@
 """The process's device, precision and seed."""
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -49,17 +50,29 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86's two (/proc/cpuinfo
 NO_AVX512 = ("AVX2", "NO AVX")  # torch's CPU capabilities that rule the x86 bf16 instructions out
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset | None:
-    """The CPU's feature flags (the first ``flags`` or ``Features`` line of /proc/cpuinfo), None where unreadable."""
+def cpuinfo_field(keys: tuple, path: str = "/proc/cpuinfo") -> str | None:
+    """The value of the first line of /proc/cpuinfo whose key is one of ``keys`` (lower case), stripped; None
+    where there is none or the file is unreadable."""
     try:
         with open(path) as f:
             for line in f:
                 key, sep, value = line.partition(":")
-                if sep and key.strip().lower() in ("flags", "features"):
-                    return frozenset(value.split())
+                if sep and key.strip().lower() in keys:
+                    return value.strip()
     except OSError:
         return None
     return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset | None:
+    """The CPU's feature flags (the first ``flags`` or ``Features`` line of /proc/cpuinfo), None where unreadable."""
+    value = cpuinfo_field(("flags", "features"), path)
+    return None if value is None else frozenset(value.split())
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's name (the first ``model name`` line of /proc/cpuinfo), None where unreadable or absent."""
+    return cpuinfo_field(("model name",), path) or None
 
 
 def cpu_capability() -> str | None:
@@ -81,6 +94,29 @@ def cpu_lacks_bf16(capability: str | None, flags: frozenset | None) -> str | Non
     if capability in NO_AVX512:
         return f"this CPU has no bf16 instructions (torch reports {capability})"
     return None
+
+
+def host_line(cpu: str | None, cores: int, flags: frozenset | None, capability: str | None,
+              gpu: str | None = None) -> str:
+    """The machine a wall time was measured on, in one line: the GPU where one did the work, else the CPU, the
+    cores this process may use and whether the CPU has bf16 instructions (a bf16 recipe's speed on a CPU turns on
+    them: :func:`cpu_lacks_bf16`). Pure."""
+    if gpu:
+        return gpu
+    if cpu_lacks_bf16(capability, flags):
+        bf16 = "no bf16 instructions"
+    elif flags:
+        bf16 = "bf16 instructions: " + ", ".join(flag for flag in BF16_CPU_FLAGS if flag in flags)
+    else:
+        bf16 = "bf16 instructions unknown"
+    return f"{cpu or 'unknown CPU'}, {cores} cores, {bf16}"
+
+
+def this_host() -> str:
+    """:func:`host_line` of this machine (the first CUDA device where there is one)."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+    return host_line(cpu_model(), cores, cpu_flags(), cpu_capability(), gpu)
 
 
 def slow_bf16_warning(dtype: str | None, autocast: bool = False, generation_dtype: str | None = None,
