@@ -348,9 +348,11 @@ class DeepSpeedPPOTrainer:
                                 rollout.attention_mask[:, P:], rollout.group_size, self.temperature, entropy=entropy)
 
     def _values(self, rollout: Rollout) -> torch.Tensor:
-        """``[B, A]`` critic values of the state before each answer action (positions ``P − 1 … T − 2``)."""
+        """``[B, A]`` critic values of the state before each answer action (positions ``P − 1 … T − 2``), each group's
+        prompt run once where the device prefers it (:meth:`~utils.model.reward_model.RewardModel.forward_value`)."""
         P = rollout.prompt_length
-        values = self.critic_model.forward_value(rollout.input_ids, rollout.attention_mask, return_value_only=True)
+        values = self.critic_model.forward_value(rollout.input_ids, rollout.attention_mask, return_value_only=True,
+                                                 prompt_length=P, group_size=rollout.group_size)
         return values[:, P - 1:-1]
 
     # ------------------------------------------------------------------ experience
@@ -384,7 +386,8 @@ class DeepSpeedPPOTrainer:
         if self.reward_model is not None:
             with torch.no_grad(), autocast_if_enabled(self.reward_model):
                 out = self.reward_model.forward_value(rollout.input_ids, rollout.attention_mask,
-                                                      prompt_length=rollout.prompt_length)
+                                                      prompt_length=rollout.prompt_length,
+                                                      group_size=rollout.group_size)
             total += out["chosen_end_scores"].float().detach()
         if self.reward_fn is not None:
             scores = call_reward_fn(self.reward_fn, self.reward.fn, rollout.prompt_text, rollout.answers, rollout.rows)

@@ -63,7 +63,8 @@ class FakeRewardModel(nn.Module):
         self.scores = torch.tensor(scores, dtype=torch.float32)
         self.seen_prompt_length = None
 
-    def forward_value(self, input_ids, attention_mask=None, return_value_only=False, prompt_length=0):
+    def forward_value(self, input_ids, attention_mask=None, return_value_only=False, prompt_length=0, group_size=1):
+        self.seen_group_size = group_size
         values = self.table(input_ids).squeeze(-1)
         if return_value_only:
             return values
@@ -163,6 +164,7 @@ def test_experience_masks_keep_the_generated_eos_and_drop_empty_answers():
     assert exp.action_mask.tolist() == [[1, 1, 1], [0] * 3, [0] * 3]
     assert trainer.score(exp).tolist() == [1.0, 2.0, 3.0]
     assert engine.reward.module.seen_prompt_length == 3
+    assert engine.reward.module.seen_group_size == 1  # each row its own prompt (G answers to one: G, shared)
     kw = engine.actor.module.generate_kwargs
     assert kw["max_new_tokens"] == 4 and kw["pad_token_id"] == PAD and kw["eos_token_id"] == [EOS]
     assert kw["use_cache"] is True and kw["do_sample"] is False and kw["synced_gpus"] is False
@@ -567,9 +569,10 @@ def test_dynamic_sampling_with_a_critic_fills_from_a_batch_that_scored_nothing()
     """PPO's critic values exist on every batch (zeros where nothing was computed), so a round filled from a batch
     whose answers were all dropped concatenates, trains the critic on its kept groups only and never NaNs."""
     ppo = PPOConfig(n_samples_per_prompt=2, dynamic_sampling=True, dynamic_sampling_max_batches=2)
-    trainer, _ = make_trainer([[3, 4, EOS]] * 6, scores=[0.0] * 6, ppo=ppo, do_sample=True)
+    trainer, engine = make_trainer([[3, 4, EOS]] * 6, scores=[0.0] * 6, ppo=ppo, do_sample=True)
     collector = RoundCollector(trainer.ppo, groups_per_batch=3)
     empty = trainer.generate(PROMPTS, PROMPT_MASK, step=1)
+    assert engine.critic.module.seen_group_size == 2  # the critic may run each group's prompt once
     empty.info["kept"] = 0
     assert empty.values is not None and empty.scores is None
     assert collector.add(empty) is None

@@ -307,13 +307,13 @@ def shared_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 
 @dataclass
-class PairSplit:
-    """Rows ``[chosen_1..B; rejected_1..B]`` cut at ``shared [B]``: each pair's first ``shared`` tokens once, left
-    padded (``prefix``, ``prefix_mask`` ``[B, D]``; ``prefix_columns``: each prefix token's column in the input),
-    and its two continuations, columns ``shared … stop − 1`` of each row, interleaved (row ``2i`` chosen, ``2i + 1``
-    rejected) and right padded (``conts``, ``cont_mask`` = the input's attention there, ``present`` = within the
-    pair's columns; ``[2B, C]``); ``source [2B]`` is each continuation's row in the input, ``columns [2B, C]`` each
-    continuation token's column there."""
+class PrefixSplit:
+    """Rows cut where they stop sharing a prefix with the other rows of their group: each group's first ``shared``
+    tokens once, left padded (``prefix``, ``prefix_mask`` ``[G, D]``; ``prefix_columns``: each prefix token's column
+    in the input), and each row's continuation, its columns ``shared … stop − 1``, right padded (``conts``,
+    ``cont_mask`` = the input's attention there, ``present`` = within the row's columns; ``[R, C]``); ``source [R]``
+    is each continuation's row in the input, ``group [R]`` the prefix it continues, ``columns [R, C]`` each
+    continuation token's column in the input, ``head [G]`` the input row each prefix is read from."""
     prefix: torch.Tensor
     prefix_mask: torch.Tensor
     prefix_columns: torch.Tensor
@@ -322,30 +322,66 @@ class PairSplit:
     present: torch.Tensor
     source: torch.Tensor
     columns: torch.Tensor
+    group: torch.Tensor
+    head: torch.Tensor
 
 
-def split_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
-                stop: torch.Tensor) -> PairSplit:
-    """:class:`PairSplit` of right-padded pairs: the first ``shared [B]`` tokens (each ≥ 1) once, then columns up to
-    ``stop [B]`` (exclusive; ≤ the width) of both rows."""
-    B2, T = input_ids.shape
-    B = B2 // 2
+PairSplit = PrefixSplit  # a pair is a group of two (split_pairs)
+
+
+def split_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, source: torch.Tensor, group: torch.Tensor,
+                 shared: torch.Tensor, stop: torch.Tensor) -> PrefixSplit:
+    """:class:`PrefixSplit` of the rows ``source [R]`` of ``input_ids [N, T]`` (in that order), row ``r`` continuing
+    prefix ``group[r]`` (``0 … G − 1``, each used): the first ``shared[g]`` columns (each ≥ 1) of group ``g``'s first
+    row once (the caller guarantees the group's rows agree there, tokens and attention), then each row's columns up
+    to ``stop [R]`` (exclusive; ≤ ``T``). Prefix columns may hold left padding (their attention 0)."""
+    T = input_ids.shape[1]
     device = input_ids.device
-    D = int(shared.max())
-    source = torch.stack([torch.arange(B), torch.arange(B, B2)], dim=1).reshape(-1).to(device)
-    start, end = shared.repeat_interleave(2), stop.repeat_interleave(2)  # [2B]
-    C = max(int((end - start).max()), 1)
+    R, G = len(source), len(shared)
+    rows = torch.arange(R, device=device)
+    first = torch.full((G,), R, dtype=torch.long, device=device).scatter_reduce(0, group, rows, "amin")
+    head = source[first]  # [G]: the row each prefix is read from
+    start = shared[group]
+    C = max(int((stop - start).max()), 1)
     offsets = torch.arange(C, device=device)
-    present = offsets[None, :] < (end - start)[:, None]
+    present = offsets[None, :] < (stop - start)[:, None]
     columns = (start[:, None] + offsets[None, :]).clamp(max=T - 1)
     conts = torch.where(present, input_ids[source[:, None], columns], torch.zeros_like(columns))
     cont_mask = attention_mask[source[:, None], columns].long() * present
+    D = int(shared.max())
     prefix_columns = torch.arange(D, device=device)[None, :] - (D - shared)[:, None]
     in_prefix = prefix_columns >= 0
     prefix_columns = prefix_columns.clamp(min=0)
-    prefix = input_ids[:B].gather(1, prefix_columns) * in_prefix
-    prefix_mask = attention_mask[:B].gather(1, prefix_columns).long() * in_prefix
-    return PairSplit(prefix, prefix_mask, prefix_columns, conts, cont_mask, present, source, columns)
+    prefix = input_ids[head].gather(1, prefix_columns) * in_prefix
+    prefix_mask = attention_mask[head].gather(1, prefix_columns).long() * in_prefix
+    return PrefixSplit(prefix, prefix_mask, prefix_columns, conts, cont_mask, present, source, columns, group, head)
+
+
+def split_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
+                stop: torch.Tensor) -> PrefixSplit:
+    """:func:`split_groups` of right-padded rows ``[chosen_1..B; rejected_1..B]``, pair ``i`` a group: its first
+    ``shared[i]`` tokens (≥ 1) once, then columns up to ``stop[i]`` (exclusive; ≤ the width) of both rows, the
+    continuations interleaved (row ``2i`` chosen, ``2i + 1`` rejected)."""
+    B = input_ids.shape[0] // 2
+    device = input_ids.device
+    source = torch.stack([torch.arange(B), torch.arange(B, 2 * B)], dim=1).reshape(-1).to(device)
+    group = torch.arange(B, device=device).repeat_interleave(2)
+    return split_groups(input_ids, attention_mask, source, group, shared, stop.repeat_interleave(2))
+
+
+def group_prefix_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """``[G]``: how many leading columns the rows of each group (``group [N]``: ``0 … G − 1``, each used) share, tokens
+    and attention alike, at most the shortest row's real length (right-padded rows)."""
+    N, T = input_ids.shape
+    device = input_ids.device
+    G = int(group.max()) + 1
+    rows = torch.arange(N, device=device)
+    head = torch.full((G,), N, dtype=torch.long, device=device).scatter_reduce(0, group, rows, "amin")[group]
+    differs = (input_ids != input_ids[head]) | (attention_mask != attention_mask[head])
+    columns = torch.arange(T, device=device).expand(N, T)
+    agree = torch.where(differs, columns, torch.full_like(columns, T)).min(dim=1).values
+    agree = torch.minimum(agree, attention_mask.long().sum(dim=1))
+    return torch.full((G,), T, dtype=torch.long, device=device).scatter_reduce(0, group, agree, "amin")
 
 
 def pair_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -183,40 +183,91 @@ class RewardModel(nn.Module):
         return not checkpointing(self.rwtransformer) and cache_parameter(self.rwtransformer) is not None and \
             {"position_ids", "use_cache"} <= forward_parameters(self.rwtransformer)
 
+    def _shared_ready(self, input_ids: torch.Tensor, attention_mask) -> bool:
+        """Can the rows' shared starts run once (:meth:`_prefix_values`)? Where the backbone's own positions are known
+        (:data:`PLAIN_POSITIONS`), it takes a KV cache, and the device prefers it
+        (:func:`utils.model.lean_forward.shares_prefix`: on a GPU one plain pass is faster)."""
+        from utils.model.lean_forward import shares_prefix
+
+        return attention_mask is not None and getattr(self.config, "model_type", None) in PLAIN_POSITIONS and \
+            self._can_share() and shares_prefix(input_ids.device)
+
+    def _prefix_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, source: torch.Tensor,
+                       group: torch.Tensor, shared: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+        """``[N, T]`` values of the rows of ``input_ids`` at the columns ``shared[group[r]] − 1 … stop[r] − 1`` of each
+        row ``source[r]``, each group's first ``shared`` columns run once on the backbone and its rows' continuations
+        on its KV cache (:func:`utils.model.lean_forward.split_groups`, whose arguments these are); other columns are
+        0. The positions are those the backbone gives a plain call (:data:`PLAIN_POSITIONS`), so the values are the
+        plain pass's up to float rounding, and so are their gradients (the cache carries them back into the
+        prefix pass)."""
+        from utils.model.lean_forward import cache_parameter, output_cache, split_groups
+
+        split = split_groups(input_ids, attention_mask, source, group, shared, stop)
+        positions = PLAIN_POSITIONS[self.config.model_type](attention_mask.long())
+        out = self.rwtransformer(split.prefix, attention_mask=split.prefix_mask, use_cache=True,
+                                 position_ids=positions[split.head].gather(1, split.prefix_columns))
+        cache = output_cache(out)
+        cache.batch_select_indices(group)
+        mask = torch.cat([split.prefix_mask[group], split.cont_mask], dim=1)
+        hidden = self.rwtransformer(split.conts, attention_mask=mask, use_cache=True,
+                                    position_ids=positions[split.source[:, None], split.columns],
+                                    **{cache_parameter(self.rwtransformer): cache})[0]
+        last = self.v_head(out[0][:, -1]).squeeze(-1)[group]  # [R]: the value at column shared − 1
+        cont = self.v_head(hidden).squeeze(-1)  # [R, C]
+        rows = split.source[:, None].expand_as(split.columns)
+        values = torch.zeros(input_ids.shape, dtype=cont.dtype, device=cont.device)
+        values = values.index_put((rows[split.present], split.columns[split.present]), cont[split.present])
+        return values.index_put((split.source, shared[group] - 1), last)
+
     def _pair_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
         """``[2B, T]`` values of ``[chosen; rejected]`` rows at every column the pairwise loss reads
-        (:func:`~utils.rl_math.pairwise_read_window`), each pair's shared start run once on the backbone and its two
-        continuations on its KV cache (:func:`utils.model.lean_forward.split_pairs`); other columns are 0. The
-        positions are those the backbone gives a plain call (:data:`PLAIN_POSITIONS`: the span reads values at the
-        shorter answer's padding, whose position ids differ between models), so the values are the plain pass's.
-        None where that cannot be done (then :meth:`_values` runs the plain pass)."""
-        from utils.model.lean_forward import cache_parameter, output_cache, shared_lengths, shares_prefix, split_pairs
+        (:func:`~utils.rl_math.pairwise_read_window`), each pair's shared start run once (:meth:`_prefix_values`; the
+        span reads values at the shorter answer's padding, whose position ids differ between models); other columns
+        are 0. None where that cannot be done (then :meth:`_values` runs the plain pass)."""
+        from utils.model.lean_forward import shared_lengths
         from utils.rl_math import pairwise_read_window
 
-        rule = PLAIN_POSITIONS.get(getattr(self.config, "model_type", None))
-        if attention_mask is None or rule is None or not self._can_share() or not shares_prefix(input_ids.device):
-            return None  # (on a GPU one plain pass is faster: lean_forward.shares_prefix)
+        if not self._shared_ready(input_ids, attention_mask):
+            return None
         B = input_ids.shape[0] // 2
         first, stop = pairwise_read_window(input_ids[:B], input_ids[B:], self.PAD_ID, self.num_padding_at_beginning)
         shared = torch.minimum(shared_lengths(input_ids, attention_mask), first + 1)
         if int(shared.min()) < 1:
             return None
-        split = split_pairs(input_ids, attention_mask, shared, torch.maximum(stop, shared + 1))
-        positions = rule(attention_mask.long())
-        out = self.rwtransformer(split.prefix, attention_mask=split.prefix_mask, use_cache=True,
-                                 position_ids=positions[:B].gather(1, split.prefix_columns))
-        cache = output_cache(out)
-        cache.batch_repeat_interleave(2)
-        mask = torch.cat([split.prefix_mask.repeat_interleave(2, dim=0), split.cont_mask], dim=1)
-        hidden = self.rwtransformer(split.conts, attention_mask=mask, use_cache=True,
-                                    position_ids=positions[split.source[:, None], split.columns],
-                                    **{cache_parameter(self.rwtransformer): cache})[0]
-        last = self.v_head(out[0][:, -1]).squeeze(-1).repeat_interleave(2)  # [2B]: the value at column shared − 1
-        cont = self.v_head(hidden).squeeze(-1)  # [2B, C]
-        rows = split.source[:, None].expand_as(split.columns)
-        values = torch.zeros(input_ids.shape, dtype=cont.dtype, device=cont.device)
-        values = values.index_put((rows[split.present], split.columns[split.present]), cont[split.present])
-        return values.index_put((split.source, shared.repeat_interleave(2) - 1), last)
+        device = input_ids.device
+        source = torch.stack([torch.arange(B), torch.arange(B, 2 * B)], dim=1).reshape(-1).to(device)
+        group = torch.arange(B, device=device).repeat_interleave(2)
+        return self._prefix_values(input_ids, attention_mask, source, group, shared,
+                                   torch.maximum(stop, shared + 1).repeat_interleave(2))
+
+    def _kwise_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, chosen_index: torch.Tensor,
+                      rejected_index: torch.Tensor, pair_group: torch.Tensor) -> torch.Tensor | None:
+        """``[U, T]`` values of a ``--kwise`` batch's texts at every column the pairs' losses read, the answers to
+        one prompt continuing that prompt's one pass (:meth:`_prefix_values`): a prompt of 68 tokens and its 8
+        answers of ~90 run as 68 + 8 × 90 tokens, not 8 × 158. None where that cannot be done."""
+        from utils.model.lean_forward import group_prefix_lengths
+        from utils.rl_math import pairwise_read_window
+
+        if not self._shared_ready(input_ids, attention_mask):
+            return None
+        U = input_ids.shape[0]
+        _, pair_prompt = torch.unique(pair_group, return_inverse=True)  # [N]: 0 … G − 1
+        G = int(pair_prompt.max()) + 1
+        text_group = torch.zeros(U, dtype=torch.long, device=input_ids.device)
+        text_group[chosen_index] = pair_prompt
+        text_group[rejected_index] = pair_prompt
+        first, stop = pairwise_read_window(input_ids[chosen_index], input_ids[rejected_index], self.PAD_ID,
+                                           self.num_padding_at_beginning)
+        row_stop = torch.zeros(U, dtype=torch.long, device=input_ids.device)
+        row_stop = row_stop.scatter_reduce(0, chosen_index, stop, "amax").scatter_reduce(0, rejected_index, stop, "amax")
+        group_first = torch.full((G,), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+        group_first = group_first.scatter_reduce(0, pair_prompt, first, "amin")
+        shared = torch.minimum(group_prefix_lengths(input_ids, attention_mask, text_group), group_first + 1)
+        if int(shared.min()) < 1:
+            return None
+        source = torch.arange(U, device=input_ids.device)
+        return self._prefix_values(input_ids, attention_mask, source, text_group, shared,
+                                   torch.maximum(row_stop, shared[text_group] + 1).clamp(max=input_ids.shape[1]))
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                 head_mask=None, inputs_embeds=None, use_cache=False, chosen_index=None, rejected_index=None,
@@ -249,11 +300,15 @@ class RewardModel(nn.Module):
         return {"loss": loss, "chosen_mean_scores": chosen, "rejected_mean_scores": rejected}
 
     def _kwise_forward(self, input_ids, attention_mask, chosen_index, rejected_index, pair_group) -> dict:
-        """:meth:`forward` on a ``--kwise`` batch: one plain pass over the U distinct texts, then each pair's loss
-        from its two rows (values at the same columns as the pairwise batch's: right padding, causal attention)."""
+        """:meth:`forward` on a ``--kwise`` batch: the U distinct texts, each prompt's run once where the device
+        prefers it (:meth:`_kwise_values`; else one plain pass), then each pair's loss from its two rows (values at
+        the same columns as the pairwise batch's: right padding, causal attention)."""
         if rejected_index is None or pair_group is None:
             raise ValueError("a K-wise batch needs chosen_index, rejected_index and pair_group together")
-        values = self._values(input_ids, attention_mask)  # [U, T]
+        values = self._kwise_values(input_ids, attention_mask, chosen_index, rejected_index, pair_group) \
+            if self.share_pairs else None
+        if values is None:
+            values = self._values(input_ids, attention_mask)  # [U, T]
         losses, chosen, rejected = pairwise_reward_loss(values[chosen_index], values[rejected_index],
                                                         input_ids[chosen_index], input_ids[rejected_index],
                                                         self.PAD_ID, self.num_padding_at_beginning, per_pair=True)
@@ -263,15 +318,42 @@ class RewardModel(nn.Module):
 
     def forward_value(self, input_ids=None, attention_mask=None, past_key_values=None, position_ids=None,
                       head_mask=None, inputs_embeds=None, return_value_only=False, prompt_length=0,
-                      use_cache=False):
+                      use_cache=False, group_size=1):
         """Per-token values ``[B, T]``; unless ``return_value_only``, also the end scores.
 
         Returns ``values`` or ``{"values": [B, T], "chosen_end_scores": [B]}`` with the end
         score at :func:`end_score_index` (``prompt_length``: int or ``[B]`` tensor).
+
+        ``group_size`` G > 1 (step 3: rows ``g·G … g·G + G − 1`` answer one prompt, left padded to ``prompt_length``
+        columns): where the rows do repeat their prompt and the device prefers it (:meth:`_shared_ready`), each prompt
+        runs once and its G answers on its KV cache (:meth:`_prefix_values`); the values before column
+        ``prompt_length − 1`` are then 0 (never read: the critic reads ``P − 1 …``, the end score is at ``P − 1`` or
+        after), the rest the plain pass's up to float rounding.
         """
-        values = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
-                              inputs_embeds, use_cache)
+        values = None
+        plain = past_key_values is None and position_ids is None and head_mask is None and inputs_embeds is None
+        if plain and group_size > 1 and isinstance(prompt_length, int) and prompt_length > 0:
+            values = self._group_values(input_ids, attention_mask, prompt_length, group_size)
+        if values is None:
+            values = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
+                                  inputs_embeds, use_cache)
         if return_value_only:
             return values
         index = end_score_index(input_ids, prompt_length, self.PAD_ID, self.EOS_ID, self.num_padding_at_beginning)
         return {"values": values, "chosen_end_scores": values.gather(1, index[:, None]).squeeze(1)}
+
+    def _group_values(self, input_ids: torch.Tensor, attention_mask, prompt_length: int, group_size: int):
+        """:meth:`forward_value`'s values with each of ``group_size`` rows' prompt (the first ``prompt_length``
+        columns) run once, or None where the rows do not repeat it or the device prefers one plain pass."""
+        from utils.model.lean_forward import shared_group_size
+
+        P = prompt_length
+        if not self._shared_ready(input_ids, attention_mask) or P >= input_ids.shape[1] or \
+                shared_group_size(input_ids[:, :P], attention_mask[:, :P], group_size) != group_size:
+            return None
+        B, T = input_ids.shape
+        device = input_ids.device
+        source = torch.arange(B, device=device)
+        shared = torch.full((B // group_size,), P, dtype=torch.long, device=device)
+        return self._prefix_values(input_ids, attention_mask, source, source // group_size, shared,
+                                   torch.full((B,), T, dtype=torch.long, device=device))
