@@ -47,7 +47,7 @@ def prompt_lengths(tokenizer, data: str | None) -> list:
 
 
 def answer_lengths(rng: random.Random, n: int, cap: int) -> list:
-    return [cap if rng.random() < 0.25 else rng.randint(20, cap) for _ in range(n)]
+    return [cap if rng.random() < 0.25 else rng.randint(min(20, cap), cap) for _ in range(n)]
 
 
 def kwise_batch(tokenizer, rng, lengths, opts) -> dict:

@@ -210,3 +210,21 @@ def test_step3_ppo_with_a_critic_runs_each_groups_prompt_once_at_zero_0_and_3(tm
     assert all(math.isfinite(r[k]) for r in train for k in ("actor_loss", "critic_loss", "reward", "kl"))
     before, after = (load_reward_model(str(folder))[0] for folder in (critic_folder, out / "critic"))
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+
+def test_the_bench_prints_each_case_with_fewer_tokens_and_the_same_results(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_shared_prefix.py"
+    spec = importlib.util.spec_from_file_location("bench_shared_prefix", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--prompts", "2", "--answers", "4", "--micro", "4", "--answer_len", "16", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| step")]
+    assert len(rows) == 3
+    for name, _, _, _, tokens, difference in rows:
+        plain, shared = map(int, tokens.split("/"))
+        assert shared < plain, name
+        assert float(difference) < 1e-4, name
