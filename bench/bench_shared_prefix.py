@@ -14,7 +14,7 @@ collection's answers). Token ids are random (the work does not depend on them). 
 * step 3, critic or reward model forward (no grad): prompts × answers rows, left-padded prompts;
 * step 3, critic fwd + bwd: a micro-batch of ``--micro`` rows (whole groups).
 
-Each case runs plain (``share_pairs`` off, ``group_size`` 1) and shared, alternating, ``--repeats`` times after one
+Each case runs plain (``share_prefix`` off) and shared, alternating, ``--repeats`` times after one
 warm-up; the table gives the medians, the tokens through the backbone and the largest difference of the results.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     G = opts.answers
 
     def step2(share):
-        model.share_pairs = share
+        model.share_prefix = share
         model.zero_grad()
         with cast():
             out = model(**kwise)
@@ -147,16 +147,18 @@ def main(argv=None) -> int:
         return torch.cat([out["chosen_mean_scores"], out["rejected_mean_scores"]]).detach()
 
     def forward(share):
+        model.share_prefix = share
         with torch.no_grad(), cast():
-            out = model.forward_value(ids, mask, prompt_length=P, group_size=G if share else 1)
+            out = model.forward_value(ids, mask, prompt_length=P, group_size=G)
         return out["values"][:, P - 1:].detach()
 
     def critic_train(share):
+        model.share_prefix = share
         model.zero_grad()
         rows = slice(0, opts.micro)
         with cast():
             values = model.forward_value(ids[rows], mask[rows], prompt_length=P, return_value_only=True,
-                                         group_size=G if share else 1)[:, P - 1:-1]
+                                         group_size=G)[:, P - 1:-1]
         (values * mask[rows, P:]).sum().backward()
         return values.detach()
 

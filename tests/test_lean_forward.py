@@ -373,7 +373,7 @@ def test_reward_model_pairs_share_their_start_and_give_the_plain_loss(name, npab
     batch = DataCollatorReward(tokenizer.pad_token_id, 64)(samples)
     results, grads = [], []
     for share in (False, True):
-        model.share_pairs = share
+        model.share_prefix = share
         model.zero_grad()
         out = model(**batch)
         out["loss"].backward()

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from utils.data.data_utils import DataCollatorKwise
-from utils.model.lean_forward import group_prefix_lengths, split_groups
+from utils.model.lean_forward import group_heads, group_prefix_lengths, pair_groups, split_groups
 
 
 # --------------------------------------------------------------------------- by hand
@@ -29,6 +29,14 @@ def test_split_groups_by_hand():
     assert split.present.tolist() == [[True, True], [True, False], [True, False]]
     assert split.cont_mask.tolist() == [[1, 1], [1, 0], [1, 0]]  # row 2's column 4 is in but is padding
     assert split.columns[:, 0].tolist() == [3, 3, 2]
+
+
+def test_group_heads_and_pair_groups_by_hand():
+    # groups 2, 0, 2, 1, 0: group 0 first at index 1, group 1 at 3, group 2 at 0
+    assert group_heads(torch.tensor([2, 0, 2, 1, 0]), 3).tolist() == [1, 3, 0]
+    source, group = pair_groups(3, "cpu")  # rows [c0, c1, c2, r0, r1, r2]
+    assert source.tolist() == [0, 3, 1, 4, 2, 5]
+    assert group.tolist() == [0, 0, 1, 1, 2, 2]
 
 
 def test_group_prefix_lengths_by_hand():
@@ -72,11 +80,11 @@ class TokenCounter:
 
 
 def both_passes(model, run):
-    """``run(model)`` → a dict of tensors and a scalar to differentiate, on the plain pass (``share_pairs`` False,
+    """``run(model)`` → a dict of tensors and a scalar to differentiate, on the plain pass (``share_prefix`` False,
     group size 1) and the shared one: their results, parameter gradients and backbone tokens."""
     results = []
     for share in (False, True):
-        model.share_pairs = share
+        model.share_prefix = share
         model.zero_grad()
         counter = TokenCounter(model.rwtransformer)
         try:
@@ -86,7 +94,7 @@ def both_passes(model, run):
             counter.handle.remove()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append(({k: v.detach() for k, v in out.items()}, grads, counter.tokens))
-    model.share_pairs = True
+    model.share_prefix = True
     model.zero_grad()
     return results
 
@@ -154,7 +162,7 @@ def test_step3_critic_and_reward_values_run_each_prompt_once(name):
     weights = torch.randn(2 * G, A + 1, generator=torch.Generator().manual_seed(2))
 
     def run(model, share):
-        out = model.forward_value(ids, att, prompt_length=P, group_size=G if share else 1)
+        out = model.forward_value(ids, att, prompt_length=P, group_size=G)
         values = out["values"][:, P - 1:]
         return {"values": values, "end": out["chosen_end_scores"]}, (values * weights).sum()
 

@@ -337,10 +337,7 @@ def split_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, source: 
     to ``stop [R]`` (exclusive; ≤ ``T``). Prefix columns may hold left padding (their attention 0)."""
     T = input_ids.shape[1]
     device = input_ids.device
-    R, G = len(source), len(shared)
-    rows = torch.arange(R, device=device)
-    first = torch.full((G,), R, dtype=torch.long, device=device).scatter_reduce(0, group, rows, "amin")
-    head = source[first]  # [G]: the row each prefix is read from
+    head = source[group_heads(group, len(shared))]  # [G]: the row each prefix is read from
     start = shared[group]
     C = max(int((stop - start).max()), 1)
     offsets = torch.arange(C, device=device)
@@ -362,11 +359,21 @@ def split_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: t
     """:func:`split_groups` of right-padded rows ``[chosen_1..B; rejected_1..B]``, pair ``i`` a group: its first
     ``shared[i]`` tokens (≥ 1) once, then columns up to ``stop[i]`` (exclusive; ≤ the width) of both rows, the
     continuations interleaved (row ``2i`` chosen, ``2i + 1`` rejected)."""
-    B = input_ids.shape[0] // 2
-    device = input_ids.device
-    source = torch.stack([torch.arange(B), torch.arange(B, 2 * B)], dim=1).reshape(-1).to(device)
-    group = torch.arange(B, device=device).repeat_interleave(2)
+    source, group = pair_groups(input_ids.shape[0] // 2, input_ids.device)
     return split_groups(input_ids, attention_mask, source, group, shared, stop.repeat_interleave(2))
+
+
+def pair_groups(B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``source [2B]``, ``group [2B]`` of :func:`split_groups` for rows ``[chosen_1..B; rejected_1..B]``: pair ``i``
+    is group ``i``, its continuations interleaved (row ``2i`` chosen, ``2i + 1`` rejected)."""
+    source = torch.stack([torch.arange(B), torch.arange(B, 2 * B)], dim=1).reshape(-1).to(device)
+    return source, torch.arange(B, device=device).repeat_interleave(2)
+
+
+def group_heads(group: torch.Tensor, G: int) -> torch.Tensor:
+    """``[G]``: the index of each group's first row in ``group [R]`` (``0 … G − 1``, each used)."""
+    rows = torch.arange(len(group), device=group.device)
+    return torch.full((G,), len(group), dtype=torch.long, device=group.device).scatter_reduce(0, group, rows, "amin")
 
 
 def group_prefix_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -375,8 +382,7 @@ def group_prefix_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     N, T = input_ids.shape
     device = input_ids.device
     G = int(group.max()) + 1
-    rows = torch.arange(N, device=device)
-    head = torch.full((G,), N, dtype=torch.long, device=device).scatter_reduce(0, group, rows, "amin")[group]
+    head = group_heads(group, G)[group]
     differs = (input_ids != input_ids[head]) | (attention_mask != attention_mask[head])
     columns = torch.arange(T, device=device).expand(N, T)
     agree = torch.where(differs, columns, torch.full_like(columns, T)).min(dim=1).values

@@ -156,7 +156,7 @@ class RewardModel(nn.Module):
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.EOS_ID = tokenizer.eos_token_id
-        self.share_pairs = True  # forward runs each pair's shared start once (False: the plain pass, for tests)
+        self.share_prefix = True  # rows sharing a start run it once where they can (False: the plain pass, for tests)
 
     # gradient checkpointing is the backbone's (transformers ≥ 5 calls it "activation checkpointing")
     def gradient_checkpointing_enable(self, **kwargs):
@@ -185,12 +185,13 @@ class RewardModel(nn.Module):
 
     def _shared_ready(self, input_ids: torch.Tensor, attention_mask) -> bool:
         """Can the rows' shared starts run once (:meth:`_prefix_values`)? Where the backbone's own positions are known
-        (:data:`PLAIN_POSITIONS`), it takes a KV cache, and the device prefers it
-        (:func:`utils.model.lean_forward.shares_prefix`: on a GPU one plain pass is faster)."""
+        (:data:`PLAIN_POSITIONS`), it takes a KV cache, the device prefers it
+        (:func:`utils.model.lean_forward.shares_prefix`: on a GPU one plain pass is faster) and ``share_prefix`` is on."""
         from utils.model.lean_forward import shares_prefix
 
-        return attention_mask is not None and getattr(self.config, "model_type", None) in PLAIN_POSITIONS and \
-            self._can_share() and shares_prefix(input_ids.device)
+        return self.share_prefix and attention_mask is not None and \
+            getattr(self.config, "model_type", None) in PLAIN_POSITIONS and self._can_share() and \
+            shares_prefix(input_ids.device)
 
     def _prefix_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, source: torch.Tensor,
                        group: torch.Tensor, shared: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
@@ -224,7 +225,7 @@ class RewardModel(nn.Module):
         (:func:`~utils.rl_math.pairwise_read_window`), each pair's shared start run once (:meth:`_prefix_values`; the
         span reads values at the shorter answer's padding, whose position ids differ between models); other columns
         are 0. None where that cannot be done (then :meth:`_values` runs the plain pass)."""
-        from utils.model.lean_forward import shared_lengths
+        from utils.model.lean_forward import pair_groups, shared_lengths
         from utils.rl_math import pairwise_read_window
 
         if not self._shared_ready(input_ids, attention_mask):
@@ -234,9 +235,7 @@ class RewardModel(nn.Module):
         shared = torch.minimum(shared_lengths(input_ids, attention_mask), first + 1)
         if int(shared.min()) < 1:
             return None
-        device = input_ids.device
-        source = torch.stack([torch.arange(B), torch.arange(B, 2 * B)], dim=1).reshape(-1).to(device)
-        group = torch.arange(B, device=device).repeat_interleave(2)
+        source, group = pair_groups(B, input_ids.device)
         return self._prefix_values(input_ids, attention_mask, source, group, shared,
                                    torch.maximum(stop, shared + 1).repeat_interleave(2))
 
@@ -288,7 +287,7 @@ class RewardModel(nn.Module):
         if input_ids.shape[0] % 2:
             raise ValueError(f"RewardModel.forward needs [chosen; rejected] rows, got {input_ids.shape[0]} rows")
         plain = past_key_values is None and position_ids is None and head_mask is None and inputs_embeds is None
-        rewards = self._pair_values(input_ids, attention_mask) if plain and self.share_pairs else None
+        rewards = self._pair_values(input_ids, attention_mask) if plain else None
         if rewards is None:
             rewards = self._values(input_ids, attention_mask, past_key_values, position_ids, head_mask,
                                    inputs_embeds, use_cache)
@@ -305,8 +304,7 @@ class RewardModel(nn.Module):
         the same columns as the pairwise batch's: right padding, causal attention)."""
         if rejected_index is None or pair_group is None:
             raise ValueError("a K-wise batch needs chosen_index, rejected_index and pair_group together")
-        values = self._kwise_values(input_ids, attention_mask, chosen_index, rejected_index, pair_group) \
-            if self.share_pairs else None
+        values = self._kwise_values(input_ids, attention_mask, chosen_index, rejected_index, pair_group)
         if values is None:
             values = self._values(input_ids, attention_mask)  # [U, T]
         losses, chosen, rejected = pairwise_reward_loss(values[chosen_index], values[rejected_index],
