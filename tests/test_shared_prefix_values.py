@@ -80,8 +80,8 @@ class TokenCounter:
 
 
 def both_passes(model, run):
-    """``run(model)`` → a dict of tensors and a scalar to differentiate, on the plain pass (``share_prefix`` False,
-    group size 1) and the shared one: their results, parameter gradients and backbone tokens."""
+    """``run(model)`` → a dict of tensors and a scalar to differentiate, on the plain pass (``share_prefix`` False)
+    and the shared one: their results, parameter gradients and backbone tokens."""
     results = []
     for share in (False, True):
         model.share_prefix = share

@@ -185,8 +185,8 @@ class RewardModel(nn.Module):
 
     def _shared_ready(self, input_ids: torch.Tensor, attention_mask) -> bool:
         """Can the rows' shared starts run once (:meth:`_prefix_values`)? Where the backbone's own positions are known
-        (:data:`PLAIN_POSITIONS`), it takes a KV cache, the device prefers it
-        (:func:`utils.model.lean_forward.shares_prefix`: on a GPU one plain pass is faster) and ``share_prefix`` is on."""
+        (:data:`PLAIN_POSITIONS`), it takes a KV cache, ``share_prefix`` is on and the device prefers it
+        (:func:`utils.model.lean_forward.shares_prefix`: on a GPU one plain pass is faster)."""
         from utils.model.lean_forward import shares_prefix
 
         return self.share_prefix and attention_mask is not None and \
