@@ -667,16 +667,15 @@ def short_pair_accuracy(paths: dict, opts, reward_model, reward_tokenizer) -> di
     "accuracy", "short_chosen"}``: the last, pairs where the cut is the better answer), scored as the pair
     accuracy is."""
     from utils.data.chat_template import chat_format
-    from utils.model.scoring import pair_accuracy_by_group, score_texts
+    from utils.model.scoring import pair_accuracy_by_group, score_pair_sides
     from utils.reward_functions import load_reward_fn
 
     lines = [r for r in read_jsonl(os.path.join(paths["comparisons"], "answers.jsonl")) if r["split"] == "eval"]
     label = load_reward_fn(os.path.join(REPO, RM_LABELS[opts.rm_label]), flag="--rm_label")
     pairs = short_answer_pairs(lines, label, opts.rm_answers)
-    chosen, rejected = ([(p["prompt"], p[key]) for p in pairs] for key in ("chosen", "rejected"))
     with rm_autocast(opts):
-        scored = [score_texts(reward_model, reward_tokenizer, texts, opts.rm_max_seq_len, "", batch_size=16,
-                              device=device(), chat=chat_format(reward_tokenizer)) for texts in (chosen, rejected)]
+        scored = score_pair_sides(reward_model, reward_tokenizer, pairs, opts.rm_max_seq_len,
+                                  device=device(), chat=chat_format(reward_tokenizer))
     result = pair_accuracy_by_group(*scored, [None] * len(pairs))["overall"]
     sampled = {line["prompt"]: {a.strip() for a in line["answers"][:opts.rm_answers]} for line in lines}
     result["short_chosen"] = sum(p["chosen"].strip() not in sampled[p["prompt"]] for p in pairs)
@@ -690,21 +689,17 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
     each prompt, scored as the greedy answers are (strict, per type, guards; ``"reworded"``: the other set)."""
     from utils.data.chat_template import chat_format
     from utils.model.critic import load_reward_model
-    from utils.model.scoring import pair_accuracy_by_group, score_texts
+    from utils.model.scoring import pair_accuracy_by_group, score_pair_sides
 
     start = time.time()
     reward_model, reward_tokenizer = load_reward_model(paths["reward"], device(), apply_chat_template=True)
     pairs = read_jsonl(os.path.join(paths["comparisons"], "eval.jsonl"))
 
-    def scores(key):
-        with rm_autocast(opts):
-            return score_texts(reward_model, reward_tokenizer, [(p["prompt"], p[key]) for p in pairs],
-                               opts.rm_max_seq_len, "", batch_size=16, device=device(),
-                               chat=chat_format(reward_tokenizer))
-
+    with rm_autocast(opts):
+        chosen, rejected = score_pair_sides(reward_model, reward_tokenizer, pairs, opts.rm_max_seq_len,
+                                            device=device(), chat=chat_format(reward_tokenizer))
     # the collector's pairs carry their prompt's constraint types: a pair of two counts for both
-    accuracy = pair_accuracy_by_group(scores("chosen"), scores("rejected"), [p.get("instruction_id_list")
-                                                                             for p in pairs])
+    accuracy = pair_accuracy_by_group(chosen, rejected, [p.get("instruction_id_list") for p in pairs])
     print(f"reward model: pair accuracy {accuracy['overall']['accuracy']:.3f} on {accuracy['overall']['pairs']} "
           "eval pairs", flush=True)
     short = short_pair_accuracy(paths, opts, reward_model, reward_tokenizer)

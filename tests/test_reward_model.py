@@ -345,3 +345,38 @@ def test_score_answers_scores_each_answer_and_pads_ragged_rows_with_nan(opt):
                   for a in row]
     assert scores[0].tolist() + scores[1, :1].tolist() == pytest.approx(one_by_one, abs=1e-5)
     assert best_of_n(scores)[1].item() == 0  # the padding is never the best
+
+
+def test_score_texts_scores_each_distinct_pair_once_longest_first_and_answers_in_order(opt, monkeypatch):
+    from utils.model.scoring import score_pair_sides, score_texts
+
+    model, tok = opt
+    rows = []  # the rows of each forward_value batch
+    forward_value = model.forward_value
+
+    def counting(**kw):
+        rows.append(kw["input_ids"].shape[0])
+        return forward_value(**kw)
+
+    monkeypatch.setattr(model, "forward_value", counting)  # the module's model: put back after the test
+    lamp = " The lamp."
+    pairs = [(PROMPT, lamp), (PROMPT, GOOD), (PROMPT, BAD), (PROMPT, GOOD), [PROMPT, lamp]]  # 3 distinct
+    scores = score_texts(model, tok, pairs, 128, tok.eos_token, batch_size=2)
+    assert rows == [2, 1]  # 3 texts scored, not 5
+    rows.clear()
+    alone = {a: score_texts(model, tok, [(PROMPT, a)], 128, tok.eos_token)[0] for a in (lamp, GOOD, BAD)}
+    assert scores == pytest.approx([alone[lamp], alone[GOOD], alone[BAD], alone[GOOD], alone[lamp]], abs=1e-5)
+    assert scores[1] == scores[3] and scores[0] == scores[4]  # equal pairs, equal scores
+    batches = []
+    monkeypatch.setattr(model, "forward_value",
+                        lambda **kw: batches.append(kw["attention_mask"].sum(1).tolist()) or forward_value(**kw))
+    score_texts(model, tok, [(PROMPT, lamp), (PROMPT, GOOD), (PROMPT, BAD)], 128, tok.eos_token, batch_size=2)
+    assert [len(b) for b in batches] == [2, 1] and min(batches[0]) >= batches[1][0]  # the longest two first
+    comparisons = [{"prompt": PROMPT, "chosen": GOOD, "rejected": BAD},
+                   {"prompt": PROMPT, "chosen": GOOD, "rejected": lamp},
+                   {"prompt": PROMPT, "chosen": lamp, "rejected": BAD}]
+    batches.clear()
+    chosen, rejected = score_pair_sides(model, tok, comparisons, 128, tok.eos_token, batch_size=8)
+    assert [len(b) for b in batches] == [3]  # six sides, three answers
+    assert chosen == pytest.approx([alone[GOOD], alone[GOOD], alone[lamp]], abs=1e-5)
+    assert rejected == pytest.approx([alone[BAD], alone[lamp], alone[BAD]], abs=1e-5)

@@ -2,6 +2,7 @@
 
 * :func:`score_texts`: the end score (``forward_value``'s, :mod:`utils.model.reward_model`) of each
   ``prompt + answer + eot``;
+* :func:`score_pair_sides`: the chosen and the rejected answers' scores of comparison pairs;
 * :func:`accuracy_by_kind`: the share of pairs whose chosen answer scores higher, overall and per kind;
 * :func:`score_answers`: N answers to each of P prompts scored in batches, ``[P, N]``;
 * :func:`best_of_n`: each prompt's best-scored answer (best-of-n selection by a reward model);
@@ -29,12 +30,20 @@ def _template_batch(tokenizer, chat, chunk, max_seq_len: int):
 def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size: int = 16, device="cpu",
                 chat=None) -> list:
     """End scores of ``prompt + answer + eot`` for ``pairs`` of (prompt, answer), or, with ``chat`` (a
-    :class:`~utils.data.chat_template.ChatFormat`), of the pair in its chat template's format; list of floats."""
+    :class:`~utils.data.chat_template.ChatFormat`), of the pair in its chat template's format; list of floats,
+    one a pair, in their order.
+
+    Each distinct pair is scored once (a comparison set names an answer in up to K−1 pairs), and the batches
+    take them longest first, so a batch pads to lengths near its own (equal pairs get equal scores)."""
     import torch
 
-    scores = []
-    for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i:i + batch_size]
+    pairs = [tuple(pair) for pair in pairs]
+    unique = list(dict.fromkeys(pairs))  # first-seen order
+    order = sorted(range(len(unique)), key=lambda i: -len(unique[i][0] + unique[i][1]))  # characters ~ tokens
+    scored = [0.0] * len(unique)
+    for i in range(0, len(order), batch_size):
+        at = order[i:i + batch_size]
+        chunk = [unique[j] for j in at]
         if chat is not None:
             ids, mask, prompt_lengths = _template_batch(tokenizer, chat, chunk, max_seq_len)
         else:
@@ -46,8 +55,20 @@ def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size:
         with torch.no_grad():
             out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       prompt_length=prompt_lengths.to(device))
-        scores.extend(out["chosen_end_scores"].float().tolist())
-    return scores
+        for j, score in zip(at, out["chosen_end_scores"].float().tolist()):
+            scored[j] = score
+    index = {pair: j for j, pair in enumerate(unique)}
+    return [scored[index[pair]] for pair in pairs]
+
+
+def score_pair_sides(model, tokenizer, pairs: list, max_seq_len: int, eot: str = "", batch_size: int = 16,
+                     device="cpu", chat=None) -> tuple:
+    """``(chosen scores, rejected scores)``, two lists of floats, of comparison ``pairs`` (dicts with ``prompt``,
+    ``chosen``, ``rejected``), both sides in one :func:`score_texts` call, so an answer in several pairs, on
+    either side, is scored once."""
+    texts = [(p["prompt"], p[side]) for side in ("chosen", "rejected") for p in pairs]
+    scores = score_texts(model, tokenizer, texts, max_seq_len, eot, batch_size, device, chat)
+    return scores[:len(pairs)], scores[len(pairs):]
 
 
 def accuracy_by_kind(kinds: list, chosen_scores: list, rejected_scores: list) -> dict:
