@@ -118,14 +118,14 @@ def reward_model_report(rm_dir: str, prompts: List[str], dataset: str = "builtin
     overall and per kind, and under ``"scale"`` how it ranks answers drawn independently for each of ``prompts``
     (:func:`scale_answers`, :func:`ranked_shares`; the pairs are mostly small edits of each other, which a
     reward model can rank right without putting different answers on one scale, and PPO exploits that)."""
-    from utils.model.scoring import accuracy_by_kind, score_texts
+    from utils.model.scoring import accuracy_by_kind, score_pair_sides, score_texts
     from utils.model.critic import load_reward_model
 
     rows = load_builtin(dataset)["eval"]
     model, tokenizer = load_reward_model(rm_dir)
-    pairs = [(r["prompt"], r[side]) for r in rows for side in ("chosen", "rejected")]
-    scores = score_texts(model, tokenizer, pairs, max_seq_len=128, eot=tokenizer.eos_token, batch_size=64)
-    accuracy = accuracy_by_kind([r.get("kind") for r in rows], scores[0::2], scores[1::2])
+    chosen, rejected = score_pair_sides(model, tokenizer, rows, max_seq_len=128, eot=tokenizer.eos_token,
+                                        batch_size=64)
+    accuracy = accuracy_by_kind([r.get("kind") for r in rows], chosen, rejected)
     scale_rows = scale_answers(prompts)
     scale_scores = score_texts(model, tokenizer, [(p, a) for p, _, a in scale_rows], max_seq_len=128,
                                eot=tokenizer.eos_token, batch_size=64)

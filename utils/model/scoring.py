@@ -38,12 +38,11 @@ def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size:
     import torch
 
     pairs = [tuple(pair) for pair in pairs]
-    unique = list(dict.fromkeys(pairs))  # first-seen order
-    order = sorted(range(len(unique)), key=lambda i: -len(unique[i][0] + unique[i][1]))  # characters ~ tokens
-    scored = [0.0] * len(unique)
-    for i in range(0, len(order), batch_size):
-        at = order[i:i + batch_size]
-        chunk = [unique[j] for j in at]
+    # each distinct pair once, longest first (characters ~ tokens; equal lengths in first-seen order)
+    longest_first = sorted(dict.fromkeys(pairs), key=lambda pair: -len(pair[0] + pair[1]))
+    scored = {}  # pair -> its end score
+    for i in range(0, len(longest_first), batch_size):
+        chunk = longest_first[i:i + batch_size]
         if chat is not None:
             ids, mask, prompt_lengths = _template_batch(tokenizer, chat, chunk, max_seq_len)
         else:
@@ -55,10 +54,8 @@ def score_texts(model, tokenizer, pairs, max_seq_len: int, eot: str, batch_size:
         with torch.no_grad():
             out = model.forward_value(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       prompt_length=prompt_lengths.to(device))
-        for j, score in zip(at, out["chosen_end_scores"].float().tolist()):
-            scored[j] = score
-    index = {pair: j for j, pair in enumerate(unique)}
-    return [scored[index[pair]] for pair in pairs]
+        scored.update(zip(chunk, out["chosen_end_scores"].float().tolist()))
+    return [scored[pair] for pair in pairs]
 
 
 def score_pair_sides(model, tokenizer, pairs: list, max_seq_len: int, eot: str = "", batch_size: int = 16,
