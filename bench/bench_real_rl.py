@@ -28,8 +28,10 @@ Rows:
   instructions never reach the collector) → step 2 (``--rm_model``, ``--rm_lr``, ``--rm_epochs``, ``--rm_steps``,
   ``--rm_kwise``, ``--num_padding_at_beginning``). Measured: pair accuracy on the eval pairs, overall and per
   type, beside step 2's eval curve; and best-of-``--best_of`` on the held-out sets (the base model's sampled
-  answers, the reward model's pick of each prompt), scored as the greedy answers are; the draw is kept in
-  ``WORK/best_of`` and reused by a rerun or, with ``--best_of_answers_from WORK``, by another reward model's run;
+  answers, the reward model's pick of each prompt, with ``--best_of_mbr β`` pulled toward the prompt's typical
+  answer: :func:`best_of_picks`), scored as the greedy answers are, beside the picks at other β
+  (:data:`MBR_BETAS`); the draw is kept in ``WORK/best_of`` and reused by a rerun or, with
+  ``--best_of_answers_from WORK``, by another reward model's run;
 * ``ppo``: DeepSpeed-Chat's whole path: that reward model → step 3 PPO against it alone (no checker in the
   reward), evaluated every ``--eval_every`` steps, its best checkpoint named in results.json (the highest held-out
   strict compliance among the points that keep the content guards, ``best_point``), and ``WORK/ppo_proxy.png``:
@@ -97,6 +99,7 @@ GUARDED = "bench/ifeval_reward.py:ifeval_guarded"
 F1_GUARD, BARE_GUARD = 0.9, 0.05  # the content guards: F1 at least 90 % of the base's, at most 5 % bare answers
 RM_LABELS = {"guarded": GUARDED, "kept": "bench/ifeval_reward.py:ifeval_kept"}  # the rm row's --rm_label
 EXAMPLES = 3  # answers shown before and after
+MBR_BETAS = (0.0, 0.25, 0.5, 1.0, 2.0)  # the rm row's best of n also reported at these --best_of_mbr
 
 
 # --------------------------------------------------------------------------- metrics (pure)
@@ -572,16 +575,16 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
                       keep: tuple | list = ()) -> tuple:
     """``(answers, scores, sampled)``: for each user prompt, ``--best_of`` answers sampled from ``actor`` (at
     ``--best_of_temperature``, the training's answer length, seeded with ``--seed``), the one the reward model
-    scores highest, the reward model's ``[P, N]`` scores and the ``[P][N]`` sampled answers. The reward model
-    reads them as the collector wrote its pairs: the prompt in DeepSpeed-Chat's text (the loader's own wrapping),
-    the answer after a space, in its chat template. ``keep``: the files the draw is reused from, the first also
-    where it is kept (:func:`sampled_answers`; the actor is ``--model``)."""
+    picks (:func:`best_of_picks`, ``--best_of_mbr``), its ``[P, N]`` scores and the ``[P][N]`` sampled answers.
+    The reward model reads them as the collector wrote its pairs: the prompt in DeepSpeed-Chat's text (the
+    loader's own wrapping), the answer after a space, in its chat template. ``keep``: the files the draw is reused
+    from, the first also where it is kept (:func:`sampled_answers`; the actor is ``--model``)."""
     import torch
 
     from utils.answers import generate_answers
     from utils.data.chat_template import chat_format
     from utils.data.local_datasets import normalize_prompt
-    from utils.model.scoring import best_of_n, score_answers
+    from utils.model.scoring import score_answers
 
     n, wrapped = opts.best_of, [normalize_prompt(p) for p in prompts]
 
@@ -603,7 +606,7 @@ def best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer, pro
     with rm_autocast(opts):
         scores = score_answers(reward_model, reward_tokenizer, wrapped, [[" " + a for a in row] for row in answers],
                                opts.rm_max_seq_len, "", device=device(), chat=chat_format(reward_tokenizer))  # [P,N]
-    best = best_of_n(scores)  # [P]: each prompt's first highest-scored answer
+    best = best_of_picks(answers, scores, opts.best_of_mbr)  # [P]
     return [row[int(b)] for row, b in zip(answers, best)], scores, answers
 
 
@@ -613,18 +616,55 @@ def best_of_prefixes(n: int) -> list:
     return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
 
 
-def best_of_curve(rows: list, sampled: list, scores) -> dict:
-    """``{m: strict, F1, length, bare}`` of best of m for each m of :func:`best_of_prefixes`: the reward model's
-    pick among each prompt's first m ``sampled`` answers (``[P][N]``; ``scores`` ``[P, N]``), scored as the
-    greedy answers are; m = 1 is the sampled answer with no choice."""
-    from utils.model.scoring import best_of_n
+def consensus(sampled: list) -> list:
+    """``[P][N]``: each answer's mean unigram F1 (``ifeval_reward.unigram_f1``) against the other answers to its
+    prompt, how typical of them it is (0 for a prompt's only answer): :func:`best_of_picks`' regulariser. It uses
+    no reference answer, only the prompt's own sampled ones."""
+    from ifeval_reward import unigram_f1  # beside this script
 
-    curve = {}
-    for m in best_of_prefixes(scores.shape[1]):
-        picks = best_of_n(scores[:, :m])
-        r = score_constrained(rows, [row[int(b)] for row, b in zip(sampled, picks)])
-        curve[str(m)] = {k: r[k] for k in ("strict", "f1", "length", "bare")}
-    return curve
+    out = []
+    for answers in sampled:
+        n = len(answers)
+        sim = [[0.0] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i + 1, n):  # symmetric: each pair once
+                sim[i][j] = sim[j][i] = unigram_f1(answers[i], answers[j])
+        out.append([sum(row) / (n - 1) if n > 1 else 0.0 for row in sim])
+    return out
+
+
+def best_of_picks(sampled: list, scores, beta: float):
+    """``[P]`` indices: each prompt's pick among its ``sampled`` answers (``[P][N]``, ``scores`` ``[P, N]``): the
+    reward model's favourite at β 0, else the largest ``z(score) + β · z(consensus)`` (``regularized_best_of_n``,
+    Jinnai et al. 2024's MBR-regularised best of n; :func:`consensus`)."""
+    import torch
+
+    from utils.model.scoring import best_of_n, regularized_best_of_n
+
+    if not beta:
+        return best_of_n(scores)
+    width = scores.shape[1]
+    similar = torch.tensor([row + [0.0] * (width - len(row)) for row in consensus(sampled)], dtype=scores.dtype)
+    return regularized_best_of_n(scores, similar, beta)
+
+
+def picked_metrics(rows: list, sampled: list, picks) -> dict:
+    """``{strict, f1, length, bare}`` of each prompt's picked answer, scored as the greedy answers are."""
+    r = score_constrained(rows, [row[int(b)] for row, b in zip(sampled, picks)])
+    return {k: r[k] for k in ("strict", "f1", "length", "bare")}
+
+
+def best_of_curve(rows: list, sampled: list, scores, beta: float = 0.0) -> dict:
+    """``{m: strict, F1, length, bare}`` of best of m for each m of :func:`best_of_prefixes`: the pick
+    (:func:`best_of_picks` at ``beta``) among each prompt's first m ``sampled`` answers (``[P][N]``; ``scores``
+    ``[P, N]``), scored as the greedy answers are; m = 1 is the sampled answer with no choice."""
+    return {str(m): picked_metrics(rows, sampled, best_of_picks([row[:m] for row in sampled], scores[:, :m], beta))
+            for m in best_of_prefixes(scores.shape[1])}
+
+
+def mbr_sweep(rows: list, sampled: list, scores) -> dict:
+    """``{β: strict, F1, length, bare}``: best of all N answers picked at each β of :data:`MBR_BETAS`."""
+    return {f"{beta:g}": picked_metrics(rows, sampled, best_of_picks(sampled, scores, beta)) for beta in MBR_BETAS}
 
 
 def best_of_n_kl_bound(n: int, temperature: float):
@@ -635,10 +675,11 @@ def best_of_n_kl_bound(n: int, temperature: float):
 
 def rm_row_stale(stored: dict, opts) -> bool:
     """Whether an ``rm`` row kept in results.json was measured with another ``--best_of``,
-    ``--best_of_temperature`` or sampling precision than this run's (a row from before a flag sampled at 1.0,
-    in fp32)."""
-    return ((stored.get("best_of"), stored.get("best_of_temperature", 1.0), stored.get("generation_dtype", "fp32"))
-            != (opts.best_of, opts.best_of_temperature, opts.generation_dtype or "fp32"))
+    ``--best_of_temperature``, sampling precision or ``--best_of_mbr`` than this run's (a row from before a flag
+    sampled at 1.0, in fp32, and picked at β 0)."""
+    return ((stored.get("best_of"), stored.get("best_of_temperature", 1.0), stored.get("generation_dtype", "fp32"),
+             stored.get("best_of_mbr", 0.0))
+            != (opts.best_of, opts.best_of_temperature, opts.generation_dtype or "fp32", opts.best_of_mbr))
 
 
 def short_answer_pairs(lines: list, label, k: int) -> list:
@@ -712,17 +753,20 @@ def evaluate_rm(paths: dict, data: dict, opts) -> dict:
                                                  [os.path.join(k, "heldout.json") for k in keep])
     result = score_constrained(rows, answers)
     result["examples"] = [{"prompt": rows[i]["prompt"], "answer": answers[i]} for i in range(EXAMPLES)]
-    result["best_of_curve"] = best_of_curve(rows, sampled, picked)
+    result["best_of_curve"] = best_of_curve(rows, sampled, picked, opts.best_of_mbr)
+    result["mbr_sweep"] = mbr_sweep(rows, sampled, picked)
     reworded, picked, sampled = best_of_n_answers(actor, tokenizer, fmt, reward_model, reward_tokenizer,
                                                   [r["prompt"] for r in data["reworded"]], opts,
                                                   [os.path.join(k, "reworded.json") for k in keep])
     result["reworded"] = score_constrained(data["reworded"], reworded)
-    result["reworded"]["best_of_curve"] = best_of_curve(data["reworded"], sampled, picked)
+    result["reworded"]["best_of_curve"] = best_of_curve(data["reworded"], sampled, picked, opts.best_of_mbr)
+    result["reworded"]["mbr_sweep"] = mbr_sweep(data["reworded"], sampled, picked)
     n, temperature = opts.best_of, opts.best_of_temperature
     bound = best_of_n_kl_bound(n, temperature)
     if bound is not None:
         result["kl_bound"] = bound
     result.update(pair_accuracy=accuracy, short_pair_accuracy=short, best_of=n, best_of_temperature=temperature,
+                  best_of_mbr=opts.best_of_mbr,
                   rm_dtype=opts.rm_dtype,
                   generation_dtype=opts.generation_dtype or "fp32",
                   step2_curve=metrics_curve(os.path.join(paths["reward"], "metrics.jsonl"), "eval", "acc"),
@@ -775,11 +819,13 @@ ROW_NAMES = {"base": "SmolLM2-135M-Instruct", "grpo": "+ step 3 GRPO (this proje
 
 
 def row_label(name: str, r: dict) -> str:
-    """A row's name in the held-out table; the ``rm`` row's says its n and, when not 1, its sampling temperature."""
+    """A row's name in the held-out table; the ``rm`` row's says its n, its sampling temperature when not 1 and
+    its ``--best_of_mbr`` β when not 0."""
     if name != "rm" or "best_of" not in r:
         return ROW_NAMES[name]
-    temperature = r.get("best_of_temperature", 1.0)
+    temperature, beta = r.get("best_of_temperature", 1.0), r.get("best_of_mbr", 0.0)
     at = f" at temperature {temperature:g}" if temperature != 1.0 else ""
+    at += f", consensus β {beta:g}" if beta else ""
     return ROW_NAMES["rm"].replace("best of n", f"best of {r['best_of']}{at}")  # the name kept in one place
 
 
@@ -813,7 +859,7 @@ def rm_lines(r: dict) -> list:
             f"(instructions none of its training pairs came from); step 2's eval accuracy by step: {trained or '—'}",
             "per type: " + ", ".join(f"{t.split(':')[1]} {g['accuracy']:.2f} ({g['pairs']})"
                                      for t, g in acc["groups"].items()),
-            *short_pair_line(r), *best_of_curve_lines(r)]
+            *short_pair_line(r), *best_of_curve_lines(r), *mbr_sweep_lines(r)]
 
 
 def short_pair_line(r: dict) -> list:
@@ -831,6 +877,14 @@ def best_of_curve_lines(r: dict) -> list:
     sets = [("template", r.get("best_of_curve")), ("reworded", r.get("reworded", {}).get("best_of_curve"))]
     return [f"best of m, {name}: " + ", ".join(f"m {m}: strict {p['strict']:.3f} F1 {p['f1']:.3f}"
                                                 for m, p in curve.items()) for name, curve in sets if curve]
+
+
+def mbr_sweep_lines(r: dict) -> list:
+    """The rm row's best of n at each β of :data:`MBR_BETAS` (:func:`mbr_sweep`), a line per held-out set."""
+    sets = [("template", r.get("mbr_sweep")), ("reworded", r.get("reworded", {}).get("mbr_sweep"))]
+    return [f"best of {r.get('best_of')} against β (z(score) + β z(consensus)), {name}: "
+            + ", ".join(f"β {b}: strict {p['strict']:.3f} F1 {p['f1']:.3f}" for b, p in sweep.items())
+            for name, sweep in sets if sweep]
 
 
 def table(results: dict) -> str:
@@ -1071,6 +1125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--best_of_temperature", type=float, default=1.0,
                    help="the rm row's sampling temperature for those answers (lower: closer to the greedy answer's "
                         "content, less to choose from)")
+    g.add_argument("--best_of_mbr", type=float, default=0.0, metavar="BETA",
+                   help="the rm row's pick: the largest z(reward score) + BETA z(consensus), the consensus an "
+                        "answer's mean unigram F1 against the prompt's other answers (Jinnai et al. 2024, against "
+                        "a reward model's gamed favourites); 0: the reward model's favourite")
     g.add_argument("--critic_lr", type=float, default=5e-6, help="the PPO rows' critic learning rate "
                    "(DeepSpeed-Chat's 5e-6)")
     g.add_argument("--ppo_ptx", type=float, default=0.0, metavar="C",
@@ -1107,9 +1165,9 @@ def main(argv=None):
         raise UserInputError(f"--rows {opts.rows}: {', '.join(map(repr, unknown)) or 'none given'}; give "
                              f"{', '.join(ROWS[:-1])} or {ROWS[-1]} (comma-separated)")
     if (opts.best_of < 1 or opts.rm_answers < 2 or opts.rm_eval_prompts < 1 or opts.best_of_temperature <= 0
-            or opts.rm_collect_batch < 1):
+            or opts.rm_collect_batch < 1 or not (math.isfinite(opts.best_of_mbr) and opts.best_of_mbr >= 0)):
         raise UserInputError("--best_of must be ≥ 1, --rm_answers ≥ 2, --rm_eval_prompts ≥ 1, "
-                             "--best_of_temperature > 0 and --rm_collect_batch ≥ 1")
+                             "--best_of_temperature > 0, --rm_collect_batch ≥ 1 and --best_of_mbr ≥ 0")
     if not (math.isfinite(opts.ppo_ptx) and opts.ppo_ptx >= 0):
         raise UserInputError(f"--ppo_ptx {opts.ppo_ptx}: give a finite weight ≥ 0 (0: no LM loss)")
     if opts.rm_answers_from:

@@ -311,6 +311,9 @@ def test_unknown_rows_and_bad_knobs_are_refused_in_one_line(monkeypatch, tmp_pat
         bench.main(["--rows", "rm", "--best_of_temperature", "0"])
     with pytest.raises(UserInputError, match="--rm_collect_batch ≥ 1"):
         bench.main(["--rows", "rm", "--rm_collect_batch", "0"])
+    for beta in ("-0.5", "nan"):
+        with pytest.raises(UserInputError, match="--best_of_mbr ≥ 0"):
+            bench.main(["--rows", "rm", "--best_of_mbr", beta])
     with pytest.raises(UserInputError, match="no .*answers.jsonl"):
         bench.main(["--rows", "rm", "--rm_answers_from", str(tmp_path / "nowhere")])
     (tmp_path / "rm" / "comparisons").mkdir(parents=True)
@@ -423,6 +426,8 @@ def test_the_table_shows_both_sets_the_reward_model_and_the_best_point(monkeypat
     results["rm"]["best_of_temperature"] = 0.7
     assert ("| + reward model's best of 8 at temperature 0.7 (no RL) | 0.550 / 0.420 | 0.250 / — | 60.0 | 0.0 % "
             "| — | — | 10 min |" in bench.table(results))
+    results["rm"]["best_of_mbr"] = 0.5
+    assert "| + reward model's best of 8 at temperature 0.7, consensus β 0.5 (no RL) | 0.550" in bench.table(results)
 
 
 def test_one_draw_of_n_gives_the_best_of_m_curve_below_it(monkeypatch):
@@ -445,6 +450,33 @@ def test_one_draw_of_n_gives_the_best_of_m_curve_below_it(monkeypatch):
     # row 0 picks a (m 1), b (m 2), c (m 4); row 1 picks e, f, g: comma-free picks 0+0, 0+1, 1+0
     assert [curve[m]["strict"] for m in curve] == [0.0, 0.5, 0.5]
     assert all(curve[m]["length"] == 13 and curve[m]["bare"] == 0.0 for m in curve)
+
+
+def test_consensus_pulls_the_best_of_n_pick_toward_the_prompts_typical_answer(monkeypatch):
+    """Consensus (each answer's mean unigram F1 against the prompt's other answers) by hand, and the pick it moves:
+    the reward model's favourite "x y z" shares no word with the others (consensus 0), which share two of their
+    three words (F1 2/3 with each other); at β 0.25 the favourite stays (z totals −0.84, 0.03, 1.21, −0.41), at
+    β 1 the best-scored typical answer "a b d" wins (−0.41, 0.47, −0.09, 0.03), at β 2 too."""
+    import torch
+
+    bench = load_bench(monkeypatch)
+    assert bench.consensus([["a b c", "a b d", "x y z"], ["only one"]]) == [
+        pytest.approx([1 / 3, 1 / 3, 0.0]), [0.0]]  # "a b c"–"a b d": F1 2/3, each against two: (2/3 + 0) / 2
+    sampled = [["a b c", "a b d", "x y z", "a b e"]]  # consensus: 4/9, 4/9, 0, 4/9 (2/3 with two of three)
+    scores = torch.tensor([[1.0, 2.0, 4.0, 1.5]])  # z: −0.99, −0.11, 1.65, −0.55 (mean 2.125, std 1.1388)
+    assert bench.consensus(sampled)[0] == pytest.approx([4 / 9, 4 / 9, 0.0, 4 / 9])
+    assert bench.best_of_picks(sampled, scores, 0.0).tolist() == [2]
+    assert bench.best_of_picks(sampled, scores, 0.25).tolist() == [2]  # consensus z: 0.577 ×3, −1.732
+    assert bench.best_of_picks(sampled, scores, 1.0).tolist() == [1]
+    assert bench.best_of_picks(sampled, scores, 2.0).tolist() == [1]
+    row = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}], "reference_output": "a b d"}
+    sweep = bench.mbr_sweep([row], sampled, scores)
+    assert list(sweep) == ["0", "0.25", "0.5", "1", "2"]
+    assert sweep["0"]["f1"] == 0.0 and sweep["1"]["f1"] == 1.0 and sweep["2"]["strict"] == 1.0
+    assert bench.best_of_curve([row], sampled, scores, beta=1.0)["4"]["f1"] == 1.0
+    assert bench.best_of_curve([row], sampled, scores)["4"]["f1"] == 0.0
+    assert bench.mbr_sweep_lines({"best_of": 4, "mbr_sweep": sweep})[0].startswith(
+        "best of 4 against β (z(score) + β z(consensus)), template: β 0: strict 1.000 F1 0.000, β 0.25: ")
 
 
 def test_short_answer_pairs_by_hand(monkeypatch):
@@ -520,6 +552,10 @@ def test_best_of_ns_kl_bound_and_when_a_kept_rm_row_is_measured_again(monkeypatc
     assert bench.rm_row_stale({"best_of": 8}, options(bench, generation_dtype="bf16"))
     assert not bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, options(bench, generation_dtype="bf16"))
     assert bench.rm_row_stale({"best_of": 8, "generation_dtype": "bf16"}, opts)
+    # picked with another consensus β (a row from before the flag picked at β 0)
+    assert bench.rm_row_stale({"best_of": 8}, options(bench, best_of_mbr=0.5))
+    assert not bench.rm_row_stale({"best_of": 8, "best_of_mbr": 0.5}, options(bench, best_of_mbr=0.5))
+    assert bench.rm_row_stale({"best_of": 8, "best_of_mbr": 0.5}, opts)
 
 
 def test_a_best_of_draw_is_kept_and_reused_only_when_drawn_the_same_way(tmp_path, monkeypatch, capsys):
@@ -615,7 +651,7 @@ def test_best_of_n_keeps_each_prompts_highest_scored_sample(tmp_path, monkeypatc
     model = resolve_model_path("tiny-llama")
     reward_model, reward_tokenizer = tiny_reward_model(tmp_path)
     actor, actor_tokenizer, fmt = bench.load(model)
-    opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128,
+    opts = Namespace(best_of=4, best_of_temperature=0.7, answer_len=6, seed=3, rm_max_seq_len=128, best_of_mbr=0.0,
                      generation_dtype=None if precision == "fp32" else "bf16", rm_dtype=precision)
     prompts = ["Describe the lamp.", "Name a river. Do not use commas."]
     best, scores, samples = bench.best_of_n_answers(actor, actor_tokenizer, fmt, reward_model, reward_tokenizer,

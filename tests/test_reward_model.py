@@ -314,6 +314,32 @@ def test_best_of_n_by_hand():
         best_of_n(torch.tensor([1.0, 2.0]))
 
 
+def test_regularized_best_of_n_by_hand():
+    """z(score) + β·z(consensus), z within each row (population std): a larger β moves the pick toward the answer
+    most like the others; β 0 is best_of_n; the reward model's scale does not matter; NaN is never picked."""
+    from utils.model.scoring import best_of_n, regularized_best_of_n
+
+    nan = float("nan")
+    # row 0: z(score) = [-1.2247, 1.2247, 0] (mean 2, std √(2/3)), z(consensus) = [-0.7071, -0.7071, 1.4142]
+    #   β 0.5: [-1.578, 0.871, 0.707] → 1;  β 1: [-1.932, 0.518, 1.414] → 2
+    # row 1: equal scores (z 0): the consensus decides for any β > 0 (best_of_n takes the first)
+    # row 2: the NaN answer is left out of both z's: z(score) [·, -1, 1], z(consensus) [·, 1, -1]
+    #   β 0.5: [·, -0.5, 0.5] → 2;  β 1: [·, 0, 0], a tie → 1, the first;  β 2: [·, 1, -1] → 1;
+    #   never the NaN one, though its consensus is the highest
+    scores = torch.tensor([[1.0, 3.0, 2.0], [2.0, 2.0, 2.0], [nan, 1.0, 3.0]])
+    consensus = torch.tensor([[0.0, 0.0, 3.0], [0.0, 1.0, 0.5], [9.0, 1.0, 0.0]])
+    assert regularized_best_of_n(scores, consensus, 0.5).tolist() == [1, 1, 2]
+    assert regularized_best_of_n(scores, consensus, 1.0).tolist() == [2, 1, 1]
+    assert regularized_best_of_n(scores, consensus, 2.0).tolist() == [2, 1, 1]
+    assert regularized_best_of_n(scores, consensus, 0.0).tolist() == best_of_n(scores).tolist() == [1, 0, 2]
+    assert regularized_best_of_n(100 * scores - 7, consensus, 0.5).tolist() == [1, 1, 2]  # scale-free
+    assert regularized_best_of_n(scores, consensus, 1.0).dtype == torch.long
+    with pytest.raises(ValueError, match="beta must be ≥ 0"):
+        regularized_best_of_n(scores, consensus, -1.0)
+    with pytest.raises(ValueError, match="consensus"):
+        regularized_best_of_n(scores, consensus[:, :2], 1.0)
+
+
 def test_pair_accuracy_by_group_by_hand():
     from utils.model.scoring import pair_accuracy_by_group
 

@@ -6,6 +6,7 @@
 * :func:`accuracy_by_kind`: the share of pairs whose chosen answer scores higher, overall and per kind;
 * :func:`score_answers`: N answers to each of P prompts scored in batches, ``[P, N]``;
 * :func:`best_of_n`: each prompt's best-scored answer (best-of-n selection by a reward model);
+* :func:`regularized_best_of_n`: the same, pulled toward the prompt's typical answer (against reward hacking);
 * :func:`pair_accuracy_by_group`: pair accuracy per group (e.g. per constraint type), with the counts.
 """
 from __future__ import annotations
@@ -121,6 +122,49 @@ def best_of_n(scores):
     columns = torch.arange(scores.shape[1], device=scores.device).expand_as(scores)
     first = torch.where(hit, columns, torch.full_like(columns, scores.shape[1])).min(dim=1).values
     return torch.where(valid.any(dim=1), first, torch.zeros_like(first))
+
+
+def _row_z(values):
+    """``values`` ``[P, N]`` standardised within each row over its non-NaN entries (population std); a row whose
+    entries are all equal gives 0s, NaN stays NaN."""
+    import torch
+
+    valid = ~torch.isnan(values)
+    count = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    filled = torch.where(valid, values, torch.zeros_like(values))
+    mean = filled.sum(dim=1, keepdim=True) / count
+    spread = (torch.where(valid, values - mean, torch.zeros_like(values)) ** 2).sum(dim=1, keepdim=True) / count
+    std = spread.sqrt()
+    return torch.where(std > 0, (values - mean) / torch.where(std > 0, std, torch.ones_like(std)),
+                       torch.zeros_like(values))
+
+
+def regularized_best_of_n(scores, consensus, beta: float):
+    """Best-of-n pulled toward each prompt's typical answer: the index of the largest
+    ``z(score) + beta · z(consensus)``, ``z`` standardising over the row's answers (so ``beta`` does not depend on
+    the reward model's scale). ``consensus`` says how much an answer agrees with the prompt's other answers (e.g.
+    its mean similarity to them): the minimum-Bayes-risk regulariser of Jinnai et al. 2024, "Regularized Best-of-N
+    Sampling to Mitigate Reward Hacking". A reward model's favourite is often an outlier that games it; the
+    consensus term prefers, among answers it scores about as well, the one most like the rest.
+
+    Args:
+        scores: ``[P, N]`` float reward-model scores (NaN: unranked, never picked, as :func:`best_of_n`).
+        consensus: ``[P, N]`` float, the same shape.
+        beta: ≥ 0; 0 is :func:`best_of_n` exactly.
+
+    Returns:
+        ``[P]`` long indices into each row (the first of equal totals).
+    """
+    import torch
+
+    if consensus.shape != scores.shape:
+        raise ValueError(f"regularized_best_of_n: scores {tuple(scores.shape)} but consensus {tuple(consensus.shape)}")
+    if beta < 0:
+        raise ValueError(f"regularized_best_of_n: beta must be ≥ 0, got {beta}")
+    if beta == 0:
+        return best_of_n(scores)
+    total = _row_z(scores) + beta * _row_z(torch.where(torch.isnan(scores), torch.nan, consensus.to(scores.dtype)))
+    return best_of_n(total)
 
 
 def pair_accuracy_by_group(chosen_scores, rejected_scores, groups: list) -> dict:
